@@ -1,0 +1,51 @@
+"""c10d_ext: the "myccl" torch.distributed backend.
+
+``import c10d_ext`` registers the backend; then ``dist.init_process_group("myccl")`` works
+wherever "gloo" or "nccl" does. CPU tensors travel over myccl's own transports, CUDA tensors
+over NCCL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from ._build_info import BUILD_INFO as _BUILD_INFO
+except ImportError:  # pragma: no cover - source tree without a build
+    raise ImportError(
+        "c10d_ext is not built: run `pip install --no-build-isolation .` in the source tree"
+    ) from None
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+if _minor(torch.__version__) != _BUILD_INFO["torch_minor"]:
+    raise ImportError(
+        f"c10d_ext was built for torch {_BUILD_INFO['torch_version']} but torch {torch.__version__} "
+        "is installed; the c10d C++ API has no stable ABI, so rebuild it against this torch: "
+        "pip install --no-build-isolation --force-reinstall --no-deps <path to c10d_ext>"
+    )
+
+import torch.distributed as dist  # noqa: E402
+
+from . import _C  # noqa: E402
+from .backend import Options, create_backend  # noqa: E402
+
+BACKEND_NAME = "myccl"
+
+if BACKEND_NAME not in dist.Backend.backend_list:
+    dist.Backend.register_backend(
+        BACKEND_NAME, create_backend, extended_api=True, devices=["cpu", "cuda"]
+    )
+
+
+def build_info() -> dict:
+    """What this build contains: torch it was built for, NCCL, kernels, compiler flags."""
+    info = dict(_BUILD_INFO)
+    info.update(_C.build_info())
+    return info
+
+
+__all__ = ["BACKEND_NAME", "Options", "build_info"]

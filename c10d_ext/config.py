@@ -1,0 +1,135 @@
+"""Every MYCCL_* environment variable, parsed and validated in one place.
+
+C++ never reads the environment: the backend creator turns these values (overridden by any
+field set on ``c10d_ext.Options``) into one ``_C.Config`` per process group. ``python -m
+c10d_ext.info`` prints this table with the values in effect.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    field: str  # attribute of _C.Config / c10d_ext.Options
+    parse: Callable[[str], Any]
+    default: Any
+    meaning: str
+
+
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected 0/1/true/false")
+
+
+def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    def parse(s: str) -> int:
+        v = int(s.strip(), 0)
+        if v < lo or (hi is not None and v > hi):
+            raise ValueError(f"expected an integer in [{lo}, {hi if hi is not None else 'inf'}]")
+        return v
+
+    return parse
+
+
+def _bytes(s: str) -> int:
+    t = s.strip().upper()
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if t.endswith(suffix + "B") or t.endswith(suffix):
+            t = t[: -len(suffix + "B")] if t.endswith(suffix + "B") else t[:-1]
+            mult = m
+            break
+    v = int(t) * mult
+    if v <= 0:
+        raise ValueError("expected a positive size such as 65536, 64K or 4M")
+    return v
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(s: str) -> str:
+        v = s.strip().lower()
+        if v not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return v
+
+    return parse
+
+
+def _debug(s: str) -> bool:
+    v = s.strip().upper()
+    if v in ("", "OFF", "0", "INFO", "WARN"):
+        return False
+    if v == "DETAIL":
+        return True
+    raise ValueError("expected OFF, INFO or DETAIL")
+
+
+def _str(s: str) -> str:
+    return s.strip()
+
+
+VARS: list[Var] = [
+    Var("MYCCL_TRANSPORT", "transport", _choice("auto", "tcp", "shm"), "auto",
+        "auto: shared memory between ranks of one host, TCP across hosts; tcp: TCP everywhere; "
+        "shm: shared memory only (error if a peer is on another host)"),
+    Var("MYCCL_SOCKET_IFNAME", "socket_ifname", _str, "",
+        "interfaces for TCP, NCCL style: 'eth0', 'eth,ib' (prefixes), '=eth0' (exact), '^docker,lo' "
+        "(exclude). Default: the interface that routes to MASTER_ADDR (loopback if all ranks share a host)"),
+    Var("MYCCL_HOST_ID", "host_id", _str, "",
+        "overrides this process's host identity (ranks with equal identities use shared memory)"),
+    Var("MYCCL_NUM_THREADS", "num_threads", _int(1, 64), 1,
+        "threads one group may use for copies and reductions, the progress thread included"),
+    Var("MYCCL_DEBUG", "debug_detail", _debug, False,
+        "DETAIL: check every op's fingerprint (op, sizes, dtype, root) across ranks before running it"),
+    Var("MYCCL_TCP_EAGER_BYTES", "tcp_eager_bytes", _bytes, 64 * 1024,
+        "TCP messages up to this size are sent at once; larger ones wait until the receiver is ready"),
+    Var("MYCCL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", _bytes, 4 * 1024 * 1024,
+        "segment size for pipelined TCP algorithms"),
+    Var("MYCCL_SPIN_US", "spin_us", _int(-1), -1,
+        "how long a waiting thread spins before sleeping, in microseconds (-1: adapt to ranks per core)"),
+    Var("MYCCL_BLOCKING_WAIT", "blocking_wait", _bool, False,
+        "CUDA: Work.wait() blocks the host and raises on timeout instead of ordering streams"),
+    Var("MYCCL_AVOID_RECORD_STREAMS", "avoid_record_streams", _bool, False,
+        "CUDA: keep tensors alive by holding them in the Work instead of recordStream"),
+    Var("MYCCL_HIGH_PRIORITY_STREAM", "high_priority_stream", _bool, False,
+        "CUDA: run NCCL on a high-priority stream"),
+]
+
+BY_NAME = {v.name: v for v in VARS}
+BY_FIELD = {v.field: v for v in VARS}
+
+
+def parse_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:
+    """Returns {field: value} for every variable, raising ValueError on a bad value."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for var in VARS:
+        raw = env.get(var.name)
+        if raw is None:
+            out[var.field] = var.default
+            continue
+        try:
+            out[var.field] = var.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"myccl: environment variable {var.name}={raw!r} is invalid: {e}") from None
+    return out
+
+
+def describe(environ: os._Environ | dict | None = None) -> list[tuple[str, str, str, str]]:
+    """(name, value in effect, default, meaning) for every variable."""
+    env = os.environ if environ is None else environ
+    values = parse_env(env)
+    rows = []
+    for var in VARS:
+        shown = repr(values[var.field]) + ("" if var.name in env else " (default)")
+        rows.append((var.name, shown, repr(var.default), var.meaning))
+    return rows
