@@ -1,0 +1,42 @@
+// Every run-time knob of the backend. c10d_ext/config.py parses the MYCCL_* environment
+// variables (and c10d_ext.Options) and hands the result to C++ as one Config, so the two
+// languages never disagree about a default and C++ never reads the environment itself.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace myccl {
+
+struct Config {
+  // Transport choice: "auto" (shared memory between ranks of one host, TCP across hosts),
+  // "tcp" (TCP everywhere, also on one host), "shm" (fail if a peer is on another host).
+  std::string transport = "auto";
+  // Interfaces for TCP listeners: "" (route to master_addr), "eth0,eth1", or "^docker,lo".
+  std::string socketIfname;
+  // Where the job's rendezvous host is; the default interface is the one routing to it.
+  std::string masterAddr;
+  // Overrides the host identity used to decide which ranks share memory.
+  std::string hostId;
+  // Threads a group may use for reductions and copies (the progress thread included).
+  int numThreads = 1;
+  // Collective fingerprints checked across ranks before every op (MYCCL_DEBUG=DETAIL).
+  bool debugDetail = false;
+  // Messages up to this size are sent eagerly; larger ones wait for the receiver (TCP).
+  int64_t tcpEagerBytes = 64 * 1024;
+  // Segment size for pipelined TCP algorithms.
+  int64_t tcpChunkBytes = 4 * 1024 * 1024;
+  // How long a waiting thread spins before sleeping (microseconds); -1 = adapt to cores.
+  int64_t spinUs = -1;
+  // CUDA: block the host in wait() and raise on timeout instead of stream-ordering.
+  bool blockingWait = false;
+  // CUDA: hold tensors in the Work instead of recordStream.
+  bool avoidRecordStreams = false;
+  // CUDA: take a high-priority stream from torch's pool.
+  bool highPriorityStream = false;
+  // Flight recorder ring size per group (0 = off) and dump location prefix.
+  int64_t flightRecorderEntries = 0;
+  std::string flightRecorderDump;
+};
+
+}  // namespace myccl

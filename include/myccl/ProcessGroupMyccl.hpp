@@ -1,0 +1,122 @@
+// MycclBackend: the c10d::Backend subclass registered as "myccl". It checks arguments (every
+// error names the op, the rank and the offending value), assigns sequence numbers and routes
+// each op to the CPU engine or, for CUDA tensors, to the NCCL engine. It never touches bytes.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+
+#include "myccl/Config.hpp"
+#include "myccl/Reduction.hpp"
+#include "myccl/Topology.hpp"
+#include "myccl/Work.hpp"
+
+namespace myccl {
+
+namespace cpu {
+class CpuEngine;
+}
+namespace cuda {
+class NcclEngine;
+}
+
+class MycclBackend final : public c10d::Backend {
+ public:
+  MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
+               std::string groupName, std::vector<int64_t> globalRanks, Config cfg);
+  ~MycclBackend() override;
+
+  const std::string getBackendName() const override { return "myccl"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  bool supportsCoalescing() const override { return true; }
+  bool supportsSplitting() const override { return false; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits, std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  void setSequenceNumberForGroup() override {}  // sequence numbers start at 0 on every rank
+  uint64_t getSequenceNumberForGroup() override { return collSeq_.load(); }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  c10d::ErrorType getError() override;
+  void abort() override;
+  void shutdown() override;
+
+  // For c10d_ext: topology, build and transport details.
+  const Topology& topology() const { return topo_; }
+  const Config& config() const { return cfg_; }
+  const std::string& groupName() const { return group_; }
+  std::chrono::milliseconds timeout() const { return timeout_.load(); }
+  std::string describeLinks() const;
+  bool ncclBuilt() const;
+
+ private:
+  OpInfo info(c10d::OpType type, const char* op, std::chrono::milliseconds timeout, bool p2p = false);
+  std::string where(const char* op) const;
+  c10::intrusive_ptr<c10d::Work> record(c10::intrusive_ptr<c10d::Work> w);
+  // Which engine: all tensors on CPU, or all on CUDA (with NCCL built); anything else raises.
+  bool isCuda(const char* op, const std::vector<at::Tensor>& tensors) const;
+  cuda::NcclEngine& nccl(const char* op);
+  Reduction reduction(const char* op, const at::Tensor& t, const c10d::ReduceOp& rop) const;
+
+  const std::string group_;
+  const std::vector<int64_t> globalRanks_;
+  const Config cfg_;
+  std::atomic<std::chrono::milliseconds> timeout_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  Topology topo_;
+  std::unique_ptr<cpu::CpuEngine> cpu_;
+  std::shared_ptr<cuda::NcclEngine> nccl_;  // shared_ptr: complete type not needed without NCCL
+  std::mutex ncclMu_;
+  std::atomic<uint64_t> collSeq_{0};
+  std::atomic<uint64_t> p2pSeq_{0};
+
+  std::mutex coalesceMu_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
+  std::atomic<bool> shutdown_{false};
+};
+
+}  // namespace myccl

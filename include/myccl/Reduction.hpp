@@ -1,0 +1,33 @@
+// What a reduction means, independent of where it runs: element type, operator, the AVG
+// divisor and PREMUL_SUM's local factor. The backend builds it (and rejects combinations that
+// make no sense); the CPU kernels and the NCCL engine both consume it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace myccl {
+
+enum class DType : uint8_t { F32, F64, F16, BF16, I8, U8, I16, I32, I64, Bool, C64, C128 };
+enum class RedOp : uint8_t { Sum, Prod, Min, Max, BAnd, BOr, BXor };
+
+size_t dtypeSize(DType dt);
+const char* dtypeName(DType dt);
+const char* redOpName(RedOp op);
+bool isFloating(DType dt);
+bool isComplex(DType dt);
+
+struct ReduceSpec {
+  DType dtype = DType::F32;
+  RedOp op = RedOp::Sum;
+  // Non-zero: divide the final result by this (ReduceOp.AVG). Integers truncate toward zero.
+  int64_t divisor = 0;
+};
+
+struct Reduction {
+  ReduceSpec spec;
+  bool premul = false;  // PREMUL_SUM: multiply the local input by `factor` first
+  double factor = 1.0;
+};
+
+}  // namespace myccl

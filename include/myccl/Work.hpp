@@ -1,0 +1,78 @@
+// The Work handed back for every op: really asynchronous (an engine thread completes it),
+// with wait(timeout), a Future for DDP and comm hooks, profiler titles and durations.
+// NCCL work (src/cuda) derives from it and adds CUDA events.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace myccl {
+
+// What a Work is about, for error messages, traces and the flight recorder.
+struct OpInfo {
+  c10d::OpType type = c10d::OpType::UNKNOWN;
+  std::string op;     // torch's op name, e.g. "all_reduce"
+  uint64_t seq = 0;   // per-group sequence number (collectives) or p2p counter
+  int rank = -1;      // this rank in the group
+  std::string group;  // group name
+  std::chrono::milliseconds timeout{0};
+
+  // "all_reduce #12 (rank 0, group 'default_pg')"
+  std::string describe() const;
+};
+
+class MycclWork : public c10d::Work {
+ public:
+  // The profiler range ("myccl:all_reduce", with input shapes) opens here and closes when
+  // the work completes.
+  MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs);
+  ~MycclWork() override;
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void abort() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  float getDuration() const override;
+  uint64_t getSequencenumber() const override;
+
+  const OpInfo& info() const { return info_; }
+
+  // Engine side. markDone is idempotent: the first call decides the outcome.
+  void markStarted();
+  void markDone(std::exception_ptr error = nullptr);
+  void setSourceRank(int rank) { sourceRank_.store(rank); }
+  // Point-to-point work: wait() without a timeout is bounded by the op's timeout (nothing else
+  // would ever complete a receive whose sender never sends); `cancel` withdraws the request.
+  void setCanceller(std::function<bool()> cancel);
+
+ protected:
+  OpInfo info_;
+  std::vector<at::Tensor> inputs_;   // kept alive until completion
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::atomic<bool> done_{false};
+  std::atomic<int> sourceRank_{-1};
+  std::chrono::steady_clock::time_point queuedAt_, startedAt_, endedAt_;
+  std::atomic<bool> started_{false};
+  std::function<bool()> cancel_;
+  bool bounded_ = false;
+};
+
+// A Work that completes when all of its children have (coalescing, composite ops).
+c10::intrusive_ptr<MycclWork> combineWorks(OpInfo info, std::vector<c10::intrusive_ptr<c10d::Work>> children);
+
+// "myccl:all_reduce" and friends: static strings for profiler ranges.
+const char* profilingTitle(c10d::OpType type);
+
+}  // namespace myccl

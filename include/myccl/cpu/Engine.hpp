@@ -1,0 +1,100 @@
+// The CPU engine of one group: an op queue and a progress thread that runs collectives in
+// issue order, turning tensors into contiguous buffers and calling the algorithms. Point-to-
+// point ops bypass the queue (they are posted to the transport at once and never block a
+// collective). The first failed collective closes the transport, so peers fail fast too,
+// and every later op on the group raises the original error instead of hanging.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "myccl/Config.hpp"
+#include "myccl/Work.hpp"
+#include "myccl/cpu/Reduce.hpp"
+#include "myccl/cpu/algorithms/Algorithms.hpp"
+#include "myccl/cpu/transport/Transport.hpp"
+
+namespace myccl::cpu {
+
+// Operation codes carried in collective tags (7 bits); distinct per collective so that ranks
+// that disagree on which op they are in never match each other's messages.
+enum class OpCode : uint8_t {
+  Broadcast = 1, Allreduce, Reduce, Allgather, Gather, Scatter, ReduceScatter, Alltoall, Barrier,
+};
+
+class CpuEngine {
+ public:
+  CpuEngine(std::shared_ptr<Transport> transport, int rank, int size, std::string group, const Config& cfg);
+  ~CpuEngine();
+
+  using WorkPtr = c10::intrusive_ptr<MycclWork>;
+
+  // Every op returns at once with a Work the progress thread completes. Tensors are views
+  // the caller has validated; non-contiguous ones are staged and written back.
+  WorkPtr broadcast(OpInfo info, at::Tensor t, int root);
+  WorkPtr allreduce(OpInfo info, std::vector<at::Tensor> tensors, const Reduction& red);
+  WorkPtr reduce(OpInfo info, at::Tensor t, const Reduction& red, int root);
+  // outputs[i][r] receives rank r's inputs[i]; block sizes may differ per rank.
+  WorkPtr allgather(OpInfo info, std::vector<at::Tensor> inputs, std::vector<std::vector<at::Tensor>> outputs);
+  WorkPtr gather(OpInfo info, at::Tensor input, std::vector<at::Tensor> outputs, int root);
+  WorkPtr scatter(OpInfo info, std::vector<at::Tensor> inputs, at::Tensor output, int root);
+  // inputs[i][r] is this rank's contribution to rank r's outputs[i].
+  WorkPtr reduceScatter(OpInfo info, std::vector<std::vector<at::Tensor>> inputs, std::vector<at::Tensor> outputs,
+                        const Reduction& red);
+  // inputs[r] goes to rank r, outputs[r] comes from rank r.
+  WorkPtr alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs);
+  WorkPtr barrier(OpInfo info);
+
+  // Point-to-point: posted to the transport now, completed by it; never queued behind
+  // collectives. wait() on them is bounded by the op timeout.
+  WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag);
+  WorkPtr recv(OpInfo info, at::Tensor t, int peer, int tag);
+  WorkPtr recvAny(OpInfo info, at::Tensor t, int tag);
+
+  // Fails queued ops and closes the transport now.
+  void abort(const std::string& why);
+  // Lets queued ops finish (each within its own timeout), then closes.
+  void shutdown();
+
+  bool failed() const;
+  bool timedOut() const;
+  std::string failure() const;
+  Transport& transport() { return *transport_; }
+
+ private:
+  struct Op {
+    WorkPtr work;
+    OpCode code;
+    std::function<void(CollCtx&)> body;
+  };
+  WorkPtr enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body);
+  void loop();
+  void failGroup(const std::string& why, bool timeout);
+  std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
+  void checkUsable(const OpInfo& info) const;
+
+  std::shared_ptr<Transport> transport_;
+  const int rank_;
+  const int size_;
+  const std::string group_;
+  const Config cfg_;
+  Scratch scratch_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::condition_variable idleCv_;
+  std::deque<Op> queue_;
+  bool running_ = false;
+  bool stop_ = false;
+  std::string failure_;
+  bool timedOut_ = false;
+  std::thread thread_;
+};
+
+}  // namespace myccl::cpu

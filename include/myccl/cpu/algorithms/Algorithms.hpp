@@ -1,0 +1,70 @@
+// Collective algorithms written against the Transport interface: pure logic over raw
+// buffers, one function per collective. They take every temporary buffer from the engine's
+// Scratch (never from the heap per call): after a failure the engine closes the transport
+// before any such memory is reused, so a late message can never land in freed memory.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "myccl/cpu/Reduce.hpp"
+#include "myccl/cpu/transport/Transport.hpp"
+
+namespace myccl::cpu {
+
+// Engine-owned memory, cached across ops (fresh allocations per call cost up to half the
+// bandwidth of large collectives). A slot keeps its pointer until the next get() of that slot.
+class Scratch {
+ public:
+  ~Scratch();
+  void* get(int slot, size_t nbytes);
+  size_t bytesHeld() const;
+  void release();
+
+ private:
+  struct Buf {
+    void* ptr = nullptr;
+    size_t size = 0;
+  };
+  std::vector<Buf> bufs_;
+};
+
+// Everything an algorithm may use: the peers, the op's private tag space, its deadline.
+struct CollCtx {
+  Transport& tp;
+  int rank;
+  int size;
+  uint64_t tagBase;  // unique per op: collective bit | op code | sequence number
+  Deadline deadline;
+  Scratch& scratch;
+  size_t chunkBytes;  // segment size for pipelined large messages
+
+  uint64_t tag(uint32_t step) const { return tagBase | step; }
+};
+
+// Tag layout: bit 63 set for collectives; bits 56..62 op code; 16..55 sequence; 0..15 step.
+uint64_t collectiveTagBase(uint8_t opCode, uint64_t seq);
+// Point-to-point tags: bit 63 clear, the user's tag in the low 32 bits.
+uint64_t p2pTag(int userTag);
+
+// In place: buf (count elements) becomes the reduction over all ranks.
+void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec);
+// buf on root is sent to everyone.
+void broadcast(CollCtx& c, void* buf, size_t nbytes, int root);
+// Root's `out` receives the reduction of every rank's `in` (`in` is never modified).
+void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpec& spec, int root);
+// outs[r] receives rank r's contribution of nbytes[r] bytes; `in` is this rank's.
+void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes);
+// On root outs[r] receives rank r's `in`.
+void gatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes, int root);
+// On root ins[r] is sent to rank r's `out`.
+void scatterv(CollCtx& c, const void* const* ins, void* out, const size_t* nbytes, int root);
+// ins[r] (counts[r] elements) is this rank's contribution to rank r's result in `out`.
+void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec);
+// sends[r] (sendBytes[r]) goes to rank r; recvs[r] (recvBytes[r]) comes from rank r.
+void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, void* const* recvs,
+               const size_t* recvBytes);
+void barrier(CollCtx& c);
+
+}  // namespace myccl::cpu

@@ -1,0 +1,88 @@
+// The interface every CPU transport implements: tagged, asynchronous byte messages between
+// the ranks of one group. Algorithms (src/cpu/algorithms) are written against it and never
+// see a socket or a shared-memory name; a transport never sees a dtype or a ReduceOp.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "myccl/Errors.hpp"
+
+namespace myccl::cpu {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+// One posted send or receive. Completed by the transport's own progress thread.
+class Request {
+ public:
+  Request(int peer, uint64_t tag, size_t nbytes) : peer_(peer), tag_(tag), nbytes_(nbytes) {}
+
+  // Blocks until the request is done; throws CommError on failure or at the deadline.
+  void wait(Deadline deadline);
+  bool test();
+  int source() const;  // the peer that matched (useful for receive-from-any)
+  int peer() const { return peer_; }
+  uint64_t tag() const { return tag_; }
+  size_t nbytes() const { return nbytes_; }
+
+  // Transport side. Returns false if the request was already finished.
+  bool complete(int source);
+  bool fail(CommErrorKind kind, const std::string& msg, int peer);
+  // Runs `fn` once the request is done (immediately if it already is), outside any lock of
+  // the transport. Used by p2p Work objects.
+  void onDone(std::function<void()> fn);
+  // Rethrows the failure, if any. Only meaningful once done.
+  void rethrow() const;
+
+ private:
+  const int peer_;
+  const uint64_t tag_;
+  const size_t nbytes_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  int source_ = -1;
+  bool failed_ = false;
+  CommErrorKind kind_ = CommErrorKind::Local;
+  int errorPeer_ = -1;
+  std::string error_;
+  std::function<void()> callback_;
+};
+
+using RequestPtr = std::shared_ptr<Request>;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual const char* name() const = 0;
+  // The buffer must stay valid and unchanged until the request completes.
+  virtual RequestPtr isend(int peer, uint64_t tag, const void* data, size_t nbytes) = 0;
+  // Messages between a pair with one tag arrive in the order they were sent. A message whose
+  // size differs from the posted receive fails that receive (never truncates or overflows).
+  virtual RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes) = 0;
+  virtual RequestPtr irecvAny(const std::vector<int>& peers, uint64_t tag, void* data,
+                              size_t nbytes) = 0;
+  // Fails everything pending with `reason` and releases sockets, threads and memory.
+  virtual void close(const std::string& reason) = 0;
+  // Human-readable description of the link to a peer, for error messages and `info`.
+  virtual std::string describePeer(int peer) const = 0;
+  // Withdraws a receive nobody has started to fill; false if data already flows into it.
+  virtual bool cancel(const RequestPtr& req) { return false; }
+  // Messages that arrived but match no posted receive: (peer, tag). Explains hangs.
+  virtual std::vector<std::pair<int, uint64_t>> unmatched() const { return {}; }
+};
+
+// Waits for every request; the first failure is thrown at once. Requests still pending then
+// may point into scratch or user memory: the engine closes the transport (which stops all
+// I/O) before any such memory is released, so algorithms only use engine-owned scratch.
+void waitAll(std::vector<RequestPtr>& reqs, Deadline deadline);
+
+}  // namespace myccl::cpu

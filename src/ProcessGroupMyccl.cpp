@@ -1,0 +1,801 @@
+// MycclBackend: argument checks and routing only. Everything that can be checked locally is
+// checked here, on the caller's thread, before any peer is involved, so a bad call raises a
+// ValueError naming the op, the rank and the value, and never leaves peers half-way in an op.
+#include "myccl/ProcessGroupMyccl.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+
+#include <numeric>
+#include <sstream>
+
+#include "myccl/Errors.hpp"
+#include "myccl/cpu/Engine.hpp"
+#include "myccl/cpu/transport/Net.hpp"
+#include "myccl/cpu/transport/Tcp.hpp"
+#ifdef MYCCL_WITH_NCCL
+#include "myccl/cuda/NcclEngine.hpp"
+#endif
+
+namespace myccl {
+
+using c10d::OpType;
+using WorkRef = c10::intrusive_ptr<c10d::Work>;
+
+namespace {
+
+std::string shapeOf(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+std::string describe(const at::Tensor& t) {
+  return std::string(c10::toString(t.scalar_type())) + shapeOf(t) + " on " + t.device().str();
+}
+
+DType toDType(at::ScalarType st, const std::string& where) {
+  switch (st) {
+    case at::kFloat: return DType::F32;
+    case at::kDouble: return DType::F64;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kChar: return DType::I8;
+    case at::kByte: return DType::U8;
+    case at::kShort: return DType::I16;
+    case at::kInt: return DType::I32;
+    case at::kLong: return DType::I64;
+    case at::kBool: return DType::Bool;
+    case at::kComplexFloat: return DType::C64;
+    case at::kComplexDouble: return DType::C128;
+    default: break;
+  }
+  MYCCL_CHECK_ARG(false, where, ": reductions are not supported for dtype ", c10::toString(st),
+                  " (supported: float32, float64, float16, bfloat16, int8, int16, int32, int64, uint8, bool, "
+                  "complex64, complex128)");
+}
+
+const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::SUM: return "SUM";
+    case c10d::ReduceOp::AVG: return "AVG";
+    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
+    case c10d::ReduceOp::MIN: return "MIN";
+    case c10d::ReduceOp::MAX: return "MAX";
+    case c10d::ReduceOp::BAND: return "BAND";
+    case c10d::ReduceOp::BOR: return "BOR";
+    case c10d::ReduceOp::BXOR: return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
+    default: return "UNUSED";
+  }
+}
+
+}  // namespace
+
+MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                           std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks,
+                           Config cfg)
+    : Backend(rank, size),
+      group_(std::move(groupName)),
+      globalRanks_(std::move(globalRanks)),
+      cfg_(std::move(cfg)),
+      timeout_(timeout),
+      store_(store) {
+  MYCCL_CHECK_ARG(size >= 1 && rank >= 0 && rank < size, "init: rank ", rank, " is not in [0, ", size, ")");
+  // A fresh key space per incarnation: a store reused across destroy/init never serves a
+  // previous group's addresses or secret.
+  const int64_t ticket = store_->add("myccl/incarnation", 1);
+  const std::string prefix = "myccl/" + std::to_string((ticket - 1) / size) + "/";
+  topo_ = Topology::exchange(*store_, prefix, rank, size, cpu::hostIdentity(cfg_.hostId));
+  MYCCL_CHECK_ARG(cfg_.transport == "auto" || cfg_.transport == "tcp",
+                  "init (rank ", rank, "): MYCCL_TRANSPORT='", cfg_.transport,
+                  "' is not available in this build (use auto or tcp)");
+
+  // The group's secret: every connection must present it before any data is accepted.
+  std::string token;
+  if (rank == 0) {
+    token = cpu::randomHex(16);
+    store_->set(prefix + "secret", std::vector<uint8_t>(token.begin(), token.end()));
+  } else {
+    auto v = store_->get(prefix + "secret");
+    token.assign(v.begin(), v.end());
+  }
+  cpu::TcpSetup setup;
+  setup.rank = rank;
+  setup.size = size;
+  setup.timeout = timeout;
+  setup.eagerBytes = cfg_.tcpEagerBytes;
+  // Ranks that all live on one host talk over loopback unless told otherwise; nothing else on
+  // the network can even reach the listener then.
+  setup.bindAddress = (topo_.singleHost() && cfg_.socketIfname.empty())
+                          ? "127.0.0.1"
+                          : cpu::chooseListenAddress(cfg_.socketIfname, cfg_.masterAddr);
+  auto transport = std::make_shared<cpu::TcpTransport>(*store_, prefix + "tcp/", setup, token);
+  cpu_ = std::make_unique<cpu::CpuEngine>(std::move(transport), rank, size, group_, cfg_);
+  init();
+}
+
+MycclBackend::~MycclBackend() {
+  if (!shutdown_.exchange(true)) {
+    // Destroyed without shutdown(): stop threads and sockets without waiting for peers.
+    if (cpu_) cpu_->abort("process group destroyed");
+#ifdef MYCCL_WITH_NCCL
+    if (nccl_) nccl_->abort("process group destroyed");
+#endif
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> MycclBackend::getBackendOptions() {
+  auto o = c10::make_intrusive<Options>("myccl", timeout_.load());
+  o->group_name = group_;
+  for (auto r : globalRanks_) o->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
+  return o;
+}
+
+std::string MycclBackend::where(const char* op) const {
+  return std::string(op) + " (rank " + std::to_string(rank_) + ")";
+}
+
+OpInfo MycclBackend::info(OpType type, const char* op, std::chrono::milliseconds timeout, bool p2p) {
+  OpInfo i;
+  i.type = type;
+  i.op = op;
+  i.seq = p2p ? p2pSeq_.fetch_add(1) : collSeq_.fetch_add(1) + 1;
+  i.rank = rank_;
+  i.group = group_;
+  MYCCL_CHECK_ARG(timeout == c10d::kUnsetTimeout || timeout.count() > 0, where(op), ": timeout must be positive, got ",
+                  timeout.count(), " ms");
+  i.timeout = (timeout == c10d::kUnsetTimeout) ? timeout_.load() : timeout;
+  return i;
+}
+
+WorkRef MycclBackend::record(WorkRef w) {
+  std::lock_guard<std::mutex> lk(coalesceMu_);
+  if (coalescing_) coalesced_.push_back(w);
+  return w;
+}
+
+bool MycclBackend::isCuda(const char* op, const std::vector<at::Tensor>& tensors) const {
+  MYCCL_CHECK_ARG(!tensors.empty(), where(op), ": expected at least one tensor");
+  const auto first = tensors[0].device();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    MYCCL_CHECK_ARG(t.defined(), where(op), ": tensor ", i, " is undefined");
+    MYCCL_CHECK_ARG(t.device() == first, where(op), ": all tensors must be on one device, tensor 0 is on ", first,
+                    " but tensor ", i, " is on ", t.device());
+    MYCCL_CHECK_ARG(t.layout() == at::kStrided, where(op), ": tensor ", i, " has layout ", t.layout(),
+                    "; only dense (strided) tensors are supported here");
+  }
+  if (first.is_cpu()) return false;
+  MYCCL_CHECK_ARG(first.is_cuda(), where(op), ": tensors on ", first, " are not supported (cpu and cuda only)");
+#ifdef MYCCL_WITH_NCCL
+  return true;
+#else
+  MYCCL_CHECK_ARG(false, where(op), ": got a CUDA tensor (", describe(tensors[0]),
+                  ") but this myccl build has no NCCL engine; rebuild with MYCCL_WITH_NCCL=1 against a CUDA build "
+                  "of torch");
+#endif
+}
+
+bool MycclBackend::ncclBuilt() const {
+#ifdef MYCCL_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+cuda::NcclEngine& MycclBackend::nccl(const char* op) {
+#ifdef MYCCL_WITH_NCCL
+  std::lock_guard<std::mutex> lk(ncclMu_);
+  if (!nccl_) nccl_ = std::make_shared<cuda::NcclEngine>(store_, rank_, size_, group_, cfg_);
+  return *nccl_;
+#else
+  MYCCL_CHECK(false, where(op), ": NCCL engine not built");
+#endif
+}
+
+Reduction MycclBackend::reduction(const char* op, const at::Tensor& t, const c10d::ReduceOp& rop) const {
+  const std::string w = where(op);
+  Reduction r;
+  r.spec.dtype = toDType(t.scalar_type(), w);
+  const DType dt = r.spec.dtype;
+  const bool floating = isFloating(dt), complex = isComplex(dt), boolean = dt == DType::Bool;
+  const char* name = reduceOpName(rop.op_);
+  auto reject = [&](const char* why) {
+    MYCCL_CHECK_ARG(false, w, ": ReduceOp.", name, " is not defined for dtype ", c10::toString(t.scalar_type()), " (",
+                    why, ")");
+  };
+  switch (rop.op_) {
+    case c10d::ReduceOp::SUM: r.spec.op = RedOp::Sum; break;
+    case c10d::ReduceOp::PRODUCT: r.spec.op = RedOp::Prod; break;
+    case c10d::ReduceOp::AVG:
+      if (boolean) reject("averaging booleans has no meaning; use SUM (logical or) or MIN (logical and)");
+      r.spec.op = RedOp::Sum;
+      r.spec.divisor = size_;
+      break;
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::MAX:
+      if (complex) reject("complex numbers are not ordered");
+      r.spec.op = rop.op_ == c10d::ReduceOp::MIN ? RedOp::Min : RedOp::Max;
+      break;
+    case c10d::ReduceOp::BAND:
+    case c10d::ReduceOp::BOR:
+    case c10d::ReduceOp::BXOR:
+      if (floating || complex) reject("bitwise operators need an integer or bool dtype");
+      r.spec.op = rop.op_ == c10d::ReduceOp::BAND ? RedOp::BAnd : rop.op_ == c10d::ReduceOp::BOR ? RedOp::BOr : RedOp::BXor;
+      break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      if (!floating && !complex) reject("the pre-multiplication factor is a float");
+      auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(rop.supplement_.get());
+      MYCCL_CHECK_ARG(sup != nullptr, w, ": ReduceOp.PREMUL_SUM without a factor; build it with "
+                                       "torch.distributed._make_nccl_premul_sum(factor)");
+      r.spec.op = RedOp::Sum;
+      r.premul = true;
+      if (sup->tensor_factor.defined()) {
+        MYCCL_CHECK_ARG(sup->tensor_factor.numel() == 1, w, ": PREMUL_SUM factor must have one element, got ",
+                        shapeOf(sup->tensor_factor));
+        r.factor = sup->tensor_factor.to(at::kCPU).to(at::kDouble).item<double>();
+      } else {
+        r.factor = sup->double_factor;
+      }
+      break;
+    }
+    default:
+      MYCCL_CHECK_ARG(false, w, ": unknown ReduceOp ", static_cast<int>(rop.op_));
+  }
+  return r;
+}
+
+namespace {
+
+void checkRoot(const std::string& w, int64_t root, int size) {
+  MYCCL_CHECK_ARG(root >= 0 && root < size, w, ": root ", root, " is not a rank of this group (size ", size, ")");
+}
+
+void checkPeer(const std::string& w, int peer, int rank, int size) {
+  MYCCL_CHECK_ARG(peer >= 0 && peer < size, w, ": peer rank ", peer, " is not a rank of this group (size ", size, ")");
+  MYCCL_CHECK_ARG(peer != rank, w, ": peer rank ", peer, " is this rank; myccl does not send to itself");
+}
+
+const at::Tensor& single(const std::string& w, const std::vector<at::Tensor>& ts, const char* what = "tensor") {
+  MYCCL_CHECK_ARG(ts.size() == 1, w, ": expected exactly one ", what, ", got ", ts.size());
+  return ts[0];
+}
+
+void checkWritable(const std::string& w, const at::Tensor& t, const char* what) {
+  MYCCL_CHECK_ARG(at::has_internal_overlap(t) != at::MemOverlap::Yes, w, ": ", what, " ", shapeOf(t),
+                  " has elements that share memory (e.g. from expand()); it cannot receive data");
+}
+
+void checkSameDtype(const std::string& w, const at::Tensor& ref, const at::Tensor& t, const char* what) {
+  MYCCL_CHECK_ARG(t.scalar_type() == ref.scalar_type(), w, ": ", what, " has dtype ", c10::toString(t.scalar_type()),
+                  " but the input has ", c10::toString(ref.scalar_type()), "; all tensors of one op must share a dtype");
+}
+
+// Row-major blocks of `t` for each rank: block r holds elements [r*n, (r+1)*n).
+std::vector<at::Tensor> blocks(const std::string& w, const at::Tensor& t, int size, int64_t n, const char* what) {
+  std::vector<at::Tensor> out;
+  if (t.is_contiguous() || t.dim() <= 1) {
+    at::Tensor flat = t.is_contiguous() ? t.view({-1}) : t;
+    for (int r = 0; r < size; ++r) out.push_back(flat.narrow(0, r * n, n));
+    return out;
+  }
+  MYCCL_CHECK_ARG(t.size(0) % size == 0, w, ": non-contiguous ", what, " ", shapeOf(t),
+                  " must have its first dimension divisible by the group size ", size);
+  int64_t rows = t.size(0) / size;
+  for (int r = 0; r < size; ++r) out.push_back(t.narrow(0, r * rows, rows));
+  return out;
+}
+
+}  // namespace
+
+// ---- collectives ---------------------------------------------------------------------------
+
+WorkRef MycclBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+  const auto w = where("broadcast");
+  const at::Tensor& t = single(w, tensors);
+  [[maybe_unused]] const bool cuda = isCuda("broadcast", tensors);
+  checkRoot(w, opts.rootRank, size_);
+  MYCCL_CHECK_ARG(opts.rootTensor == 0, w, ": rootTensor must be 0, got ", opts.rootTensor);
+  checkWritable(w, t, "tensor");
+  auto i = info(OpType::BROADCAST, "broadcast", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("broadcast").broadcast(std::move(i), t, opts.rootRank, opts.asyncOp));
+#endif
+  return record(cpu_->broadcast(std::move(i), t, static_cast<int>(opts.rootRank)));
+}
+
+WorkRef MycclBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  const auto w = where("all_reduce");
+  MYCCL_CHECK_ARG(tensors.size() == 1, w, ": expected exactly one tensor, got ", tensors.size());
+  if (tensors[0].defined() && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
+  [[maybe_unused]] const bool cuda = isCuda("all_reduce", tensors);
+  checkWritable(w, tensors[0], "tensor");
+  auto red = reduction("all_reduce", tensors[0], opts.reduceOp);
+  auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("all_reduce").allreduce(std::move(i), tensors, red, opts.asyncOp));
+#endif
+  return record(cpu_->allreduce(std::move(i), tensors, red));
+}
+
+WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  const auto w = where("all_reduce");
+  const at::Tensor& t = single(w, tensors);
+  MYCCL_CHECK_ARG(t.is_sparse() && t.device().is_cpu(), w, ": sparse all_reduce needs a sparse COO CPU tensor, got ",
+                  describe(t));
+  MYCCL_CHECK_ARG(opts.reduceOp.op_ == c10d::ReduceOp::SUM, w, ": sparse tensors support only ReduceOp.SUM, got ",
+                  reduceOpName(opts.reduceOp.op_));
+  // Sparse sum = all-gather every rank's (indices, values) and coalesce: the gathered sizes
+  // differ per rank, so first agree on them.
+  at::Tensor in = t.coalesce();
+  const int64_t nnz = in._nnz();
+  at::Tensor myCount = at::tensor({nnz}, at::kLong);
+  std::vector<at::Tensor> counts;
+  for (int r = 0; r < size_; ++r) counts.push_back(at::empty({1}, at::kLong));
+  auto ci = info(OpType::_ALLREDUCE_SPARSE, "all_reduce(sparse):sizes", opts.timeout);
+  auto cw = cpu_->allgather(std::move(ci), {myCount}, {counts});
+  cw->wait();
+  std::vector<at::Tensor> idxOut, valOut;
+  at::Tensor indices = in._indices().contiguous();
+  at::Tensor values = in._values().contiguous();
+  for (int r = 0; r < size_; ++r) {
+    int64_t n = counts[r].item<int64_t>();
+    idxOut.push_back(at::empty({indices.size(0), n}, indices.options()));
+    auto vshape = values.sizes().vec();
+    vshape[0] = n;
+    valOut.push_back(at::empty(vshape, values.options()));
+  }
+  // Indices travel transposed so that each rank's block is one contiguous run of rows.
+  std::vector<at::Tensor> idxRows;
+  for (auto& x : idxOut) idxRows.push_back(at::empty({x.size(1), x.size(0)}, x.options()));
+  auto gi = info(OpType::_ALLREDUCE_SPARSE, "all_reduce(sparse)", opts.timeout);
+  auto gw = cpu_->allgather(std::move(gi), {indices.t().contiguous(), values}, {idxRows, valOut});
+  gw->wait();
+  std::vector<at::Tensor> idxCols;
+  for (auto& x : idxRows) idxCols.push_back(x.t());
+  at::Tensor all = at::sparse_coo_tensor(at::cat(idxCols, 1), at::cat(valOut, 0), in.sizes()).coalesce();
+  tensors[0].copy_(all);
+  auto done = c10::make_intrusive<MycclWork>(gw->info(), std::vector<at::Tensor>{}, std::vector<at::Tensor>{tensors[0]});
+  done->markDone();
+  return record(done);
+}
+
+WorkRef MycclBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const auto w = where("all_reduce_coalesced");
+  [[maybe_unused]] const bool cuda = isCuda("all_reduce_coalesced", tensors);
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    checkSameDtype(w, tensors[0], tensors[k], ("tensor " + std::to_string(k)).c_str());
+    checkWritable(w, tensors[k], "tensor");
+  }
+  auto red = reduction("all_reduce_coalesced", tensors[0], opts.reduceOp);
+  auto i = info(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("all_reduce_coalesced").allreduce(std::move(i), tensors, red, opts.asyncOp));
+#endif
+  return record(cpu_->allreduce(std::move(i), tensors, red));
+}
+
+WorkRef MycclBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  const auto w = where("reduce");
+  const at::Tensor& t = single(w, tensors);
+  [[maybe_unused]] const bool cuda = isCuda("reduce", tensors);
+  checkRoot(w, opts.rootRank, size_);
+  MYCCL_CHECK_ARG(opts.rootTensor == 0, w, ": rootTensor must be 0, got ", opts.rootTensor);
+  if (rank_ == opts.rootRank) checkWritable(w, t, "tensor");
+  auto red = reduction("reduce", t, opts.reduceOp);
+  auto i = info(OpType::REDUCE, "reduce", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("reduce").reduce(std::move(i), t, red, opts.rootRank, opts.asyncOp));
+#endif
+  return record(cpu_->reduce(std::move(i), t, red, static_cast<int>(opts.rootRank)));
+}
+
+WorkRef MycclBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                const c10d::AllgatherOptions& opts) {
+  const auto w = where("all_gather");
+  const at::Tensor& in = single(w, inputs, "input tensor");
+  MYCCL_CHECK_ARG(outputs.size() == 1, w, ": expected one output list, got ", outputs.size());
+  auto& outs = outputs[0];
+  MYCCL_CHECK_ARG(static_cast<int>(outs.size()) == size_, w, ": the output list has ", outs.size(),
+                  " tensors but the group has ", size_, " ranks");
+  std::vector<at::Tensor> all = outs;
+  all.push_back(in);
+  [[maybe_unused]] const bool cuda = isCuda("all_gather", all);
+  for (int r = 0; r < size_; ++r) {
+    checkSameDtype(w, in, outs[r], ("output " + std::to_string(r)).c_str());
+    checkWritable(w, outs[r], "output");
+  }
+  MYCCL_CHECK_ARG(outs[rank_].numel() == in.numel(), w, ": output ", rank_, " (this rank's block) has ",
+                  outs[rank_].numel(), " elements but the input has ", in.numel());
+  auto i = info(OpType::ALLGATHER, "all_gather", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("all_gather").allgather(std::move(i), {in}, {outs}, opts.asyncOp));
+#endif
+  return record(cpu_->allgather(std::move(i), {in}, {outs}));
+}
+
+WorkRef MycclBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  const auto w = where("all_gather_into_tensor");
+  [[maybe_unused]] const bool cuda = isCuda("all_gather_into_tensor", {input, output});
+  checkSameDtype(w, input, output, "output");
+  checkWritable(w, output, "output");
+  MYCCL_CHECK_ARG(output.numel() == input.numel() * size_, w, ": output ", shapeOf(output), " has ", output.numel(),
+                  " elements but must have input numel ", input.numel(), " x group size ", size_, " = ",
+                  input.numel() * size_);
+  auto outs = blocks(w, output, size_, input.numel(), "output");
+  auto i = info(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("all_gather_into_tensor").allgather(std::move(i), {input}, {outs}, opts.asyncOp));
+#endif
+  return record(cpu_->allgather(std::move(i), {input}, {outs}));
+}
+
+WorkRef MycclBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                          std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  const auto w = where("all_gather_coalesced");
+  MYCCL_CHECK_ARG(!inputs.empty(), w, ": expected at least one input tensor");
+  MYCCL_CHECK_ARG(static_cast<int>(outputLists.size()) == size_, w, ": expected one output list per rank (", size_,
+                  "), got ", outputLists.size());
+  std::vector<at::Tensor> all = inputs;
+  for (int r = 0; r < size_; ++r) {
+    MYCCL_CHECK_ARG(outputLists[r].size() == inputs.size(), w, ": output list ", r, " has ", outputLists[r].size(),
+                    " tensors but there are ", inputs.size(), " inputs");
+    all.insert(all.end(), outputLists[r].begin(), outputLists[r].end());
+  }
+  [[maybe_unused]] const bool cuda = isCuda("all_gather_coalesced", all);
+  // outputLists[r][k] receives rank r's inputs[k]: regroup per input.
+  std::vector<std::vector<at::Tensor>> per(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    for (int r = 0; r < size_; ++r) {
+      const auto& o = outputLists[r][k];
+      checkSameDtype(w, inputs[k], o, "output");
+      checkWritable(w, o, "output");
+      per[k].push_back(o);
+    }
+    MYCCL_CHECK_ARG(per[k][rank_].numel() == inputs[k].numel(), w, ": output ", rank_, "/", k, " has ",
+                    per[k][rank_].numel(), " elements but input ", k, " has ", inputs[k].numel());
+  }
+  auto i = info(OpType::ALLGATHER_COALESCED, "all_gather_coalesced", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("all_gather_coalesced").allgather(std::move(i), inputs, per, opts.asyncOp));
+#endif
+  return record(cpu_->allgather(std::move(i), inputs, per));
+}
+
+WorkRef MycclBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllgatherOptions& opts) {
+  const auto w = where("all_gather_into_tensor_coalesced");
+  MYCCL_CHECK_ARG(outputs.size() == inputs.size() && !inputs.empty(), w, ": ", inputs.size(), " inputs but ",
+                  outputs.size(), " outputs");
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  [[maybe_unused]] const bool cuda = isCuda("all_gather_into_tensor_coalesced", all);
+  std::vector<std::vector<at::Tensor>> per;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    checkSameDtype(w, inputs[k], outputs[k], "output");
+    checkWritable(w, outputs[k], "output");
+    MYCCL_CHECK_ARG(outputs[k].numel() == inputs[k].numel() * size_, w, ": output ", k, " has ", outputs[k].numel(),
+                    " elements but must have ", inputs[k].numel() * size_);
+    per.push_back(blocks(w, outputs[k], size_, inputs[k].numel(), "output"));
+  }
+  auto i = info(OpType::ALLGATHER_INTO_TENSOR_COALESCED, "all_gather_into_tensor_coalesced", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("all_gather_into_tensor_coalesced").allgather(std::move(i), inputs, per, opts.asyncOp));
+#endif
+  return record(cpu_->allgather(std::move(i), inputs, per));
+}
+
+WorkRef MycclBackend::gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                             const c10d::GatherOptions& opts) {
+  const auto w = where("gather");
+  const at::Tensor& in = single(w, inputs, "input tensor");
+  checkRoot(w, opts.rootRank, size_);
+  std::vector<at::Tensor> all = {in};
+  std::vector<at::Tensor> outs;
+  if (rank_ == opts.rootRank) {
+    MYCCL_CHECK_ARG(outputs.size() == 1, w, ": the root needs one output list, got ", outputs.size());
+    outs = outputs[0];
+    MYCCL_CHECK_ARG(static_cast<int>(outs.size()) == size_, w, ": the output list has ", outs.size(),
+                    " tensors but the group has ", size_, " ranks");
+    for (int r = 0; r < size_; ++r) {
+      checkSameDtype(w, in, outs[r], "output");
+      checkWritable(w, outs[r], "output");
+    }
+    MYCCL_CHECK_ARG(outs[rank_].numel() == in.numel(), w, ": output ", rank_, " has ", outs[rank_].numel(),
+                    " elements but the input has ", in.numel());
+    all.insert(all.end(), outs.begin(), outs.end());
+  } else {
+    MYCCL_CHECK_ARG(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), w,
+                    ": only the root (rank ", opts.rootRank, ") may pass output tensors");
+  }
+  [[maybe_unused]] const bool cuda = isCuda("gather", all);
+  auto i = info(OpType::GATHER, "gather", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("gather").gather(std::move(i), in, outs, opts.rootRank, opts.asyncOp));
+#endif
+  return record(cpu_->gather(std::move(i), in, outs, static_cast<int>(opts.rootRank)));
+}
+
+WorkRef MycclBackend::scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                              const c10d::ScatterOptions& opts) {
+  const auto w = where("scatter");
+  const at::Tensor& out = single(w, outputs, "output tensor");
+  checkRoot(w, opts.rootRank, size_);
+  checkWritable(w, out, "output");
+  std::vector<at::Tensor> all = {out};
+  std::vector<at::Tensor> ins;
+  if (rank_ == opts.rootRank) {
+    MYCCL_CHECK_ARG(inputs.size() == 1, w, ": the root needs one input list, got ", inputs.size());
+    ins = inputs[0];
+    MYCCL_CHECK_ARG(static_cast<int>(ins.size()) == size_, w, ": the input list has ", ins.size(),
+                    " tensors but the group has ", size_, " ranks");
+    for (int r = 0; r < size_; ++r) checkSameDtype(w, out, ins[r], "input");
+    MYCCL_CHECK_ARG(ins[rank_].numel() == out.numel(), w, ": input ", rank_, " has ", ins[rank_].numel(),
+                    " elements but the output has ", out.numel());
+    all.insert(all.end(), ins.begin(), ins.end());
+  } else {
+    MYCCL_CHECK_ARG(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), w,
+                    ": only the root (rank ", opts.rootRank, ") may pass input tensors");
+  }
+  [[maybe_unused]] const bool cuda = isCuda("scatter", all);
+  auto i = info(OpType::SCATTER, "scatter", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("scatter").scatter(std::move(i), ins, out, opts.rootRank, opts.asyncOp));
+#endif
+  return record(cpu_->scatter(std::move(i), ins, out, static_cast<int>(opts.rootRank)));
+}
+
+WorkRef MycclBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                     const c10d::ReduceScatterOptions& opts) {
+  const auto w = where("reduce_scatter");
+  const at::Tensor& out = single(w, outputs, "output tensor");
+  MYCCL_CHECK_ARG(inputs.size() == 1, w, ": expected one input list, got ", inputs.size());
+  auto& ins = inputs[0];
+  MYCCL_CHECK_ARG(static_cast<int>(ins.size()) == size_, w, ": the input list has ", ins.size(),
+                  " tensors but the group has ", size_, " ranks");
+  std::vector<at::Tensor> all = ins;
+  all.push_back(out);
+  [[maybe_unused]] const bool cuda = isCuda("reduce_scatter", all);
+  checkWritable(w, out, "output");
+  for (int r = 0; r < size_; ++r) checkSameDtype(w, out, ins[r], "input");
+  MYCCL_CHECK_ARG(ins[rank_].numel() == out.numel(), w, ": input ", rank_, " has ", ins[rank_].numel(),
+                  " elements but the output has ", out.numel());
+  auto red = reduction("reduce_scatter", out, opts.reduceOp);
+  auto i = info(OpType::REDUCE_SCATTER, "reduce_scatter", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("reduce_scatter").reduceScatter(std::move(i), {ins}, {out}, red, opts.asyncOp));
+#endif
+  return record(cpu_->reduceScatter(std::move(i), {ins}, {out}, red));
+}
+
+WorkRef MycclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                           const c10d::ReduceScatterOptions& opts) {
+  const auto w = where("reduce_scatter_tensor");
+  [[maybe_unused]] const bool cuda = isCuda("reduce_scatter_tensor", {input, output});
+  checkSameDtype(w, input, output, "output");
+  checkWritable(w, output, "output");
+  MYCCL_CHECK_ARG(input.numel() == output.numel() * size_, w, ": input ", shapeOf(input), " has ", input.numel(),
+                  " elements but must have output numel ", output.numel(), " x group size ", size_, " = ",
+                  output.numel() * size_);
+  auto red = reduction("reduce_scatter_tensor", output, opts.reduceOp);
+  auto ins = blocks(w, input, size_, output.numel(), "input");
+  auto i = info(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("reduce_scatter_tensor").reduceScatter(std::move(i), {ins}, {output}, red, opts.asyncOp));
+#endif
+  return record(cpu_->reduceScatter(std::move(i), {ins}, {output}, red));
+}
+
+WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                      const c10d::ReduceScatterOptions& opts) {
+  const auto w = where("reduce_scatter_tensor_coalesced");
+  MYCCL_CHECK_ARG(outputs.size() == inputs.size() && !inputs.empty(), w, ": ", inputs.size(), " inputs but ",
+                  outputs.size(), " outputs");
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  [[maybe_unused]] const bool cuda = isCuda("reduce_scatter_tensor_coalesced", all);
+  std::vector<std::vector<at::Tensor>> per;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    checkSameDtype(w, inputs[0], inputs[k], "input");
+    checkSameDtype(w, inputs[k], outputs[k], "output");
+    checkWritable(w, outputs[k], "output");
+    MYCCL_CHECK_ARG(inputs[k].numel() == outputs[k].numel() * size_, w, ": input ", k, " has ", inputs[k].numel(),
+                    " elements but must have ", outputs[k].numel() * size_);
+    per.push_back(blocks(w, inputs[k], size_, outputs[k].numel(), "input"));
+  }
+  auto red = reduction("reduce_scatter_tensor_coalesced", outputs[0], opts.reduceOp);
+  auto i = info(OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda)
+    return record(nccl("reduce_scatter_tensor_coalesced").reduceScatter(std::move(i), per, outputs, red, opts.asyncOp));
+#endif
+  return record(cpu_->reduceScatter(std::move(i), per, outputs, red));
+}
+
+WorkRef MycclBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
+                                    std::vector<int64_t>& inputSplits, const c10d::AllToAllOptions& opts) {
+  const auto w = where("all_to_all_single");
+  [[maybe_unused]] const bool cuda = isCuda("all_to_all_single", {input, output});
+  checkSameDtype(w, input, output, "output");
+  checkWritable(w, output, "output");
+  auto splitsFor = [&](const at::Tensor& t, std::vector<int64_t> splits, const char* what) {
+    if (t.dim() == 0) {
+      MYCCL_CHECK_ARG(false, w, ": ", what, " must have at least one dimension");
+    }
+    const int64_t rows = t.size(0);
+    if (splits.empty()) {
+      MYCCL_CHECK_ARG(rows % size_ == 0, w, ": ", what, " has ", rows, " rows, not divisible by the group size ",
+                      size_, "; pass split sizes for uneven exchanges");
+      splits.assign(size_, rows / size_);
+    }
+    MYCCL_CHECK_ARG(static_cast<int>(splits.size()) == size_, w, ": ", what, " split sizes have ", splits.size(),
+                    " entries but the group has ", size_, " ranks");
+    int64_t sum = 0;
+    for (size_t r = 0; r < splits.size(); ++r) {
+      MYCCL_CHECK_ARG(splits[r] >= 0, w, ": ", what, " split size for rank ", r, " is negative (", splits[r], ")");
+      sum += splits[r];
+    }
+    MYCCL_CHECK_ARG(sum == rows, w, ": ", what, " split sizes sum to ", sum, " but the tensor has ", rows,
+                    " rows (first dimension)");
+    std::vector<at::Tensor> parts;
+    int64_t off = 0;
+    for (int r = 0; r < size_; ++r) {
+      parts.push_back(t.narrow(0, off, splits[r]));
+      off += splits[r];
+    }
+    return parts;
+  };
+  auto ins = splitsFor(input, inputSplits, "input");
+  auto outs = splitsFor(output, outputSplits, "output");
+  MYCCL_CHECK_ARG(ins[rank_].numel() == outs[rank_].numel(), w, ": this rank sends ", ins[rank_].numel(),
+                  " elements to itself but expects ", outs[rank_].numel());
+  auto i = info(OpType::ALLTOALL_BASE, "all_to_all_single", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("all_to_all_single").alltoall(std::move(i), ins, outs, opts.asyncOp));
+#endif
+  return record(cpu_->alltoall(std::move(i), ins, outs));
+}
+
+WorkRef MycclBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                               const c10d::AllToAllOptions& opts) {
+  const auto w = where("all_to_all");
+  MYCCL_CHECK_ARG(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_, w,
+                  ": expected ", size_, " input and output tensors, got ", inputs.size(), " and ", outputs.size());
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  [[maybe_unused]] const bool cuda = isCuda("all_to_all", all);
+  for (int r = 0; r < size_; ++r) {
+    checkSameDtype(w, inputs[0], inputs[r], "input");
+    checkSameDtype(w, inputs[0], outputs[r], "output");
+    checkWritable(w, outputs[r], "output");
+  }
+  MYCCL_CHECK_ARG(inputs[rank_].numel() == outputs[rank_].numel(), w, ": this rank sends ", inputs[rank_].numel(),
+                  " elements to itself but expects ", outputs[rank_].numel());
+  auto i = info(OpType::ALLTOALL, "all_to_all", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("all_to_all").alltoall(std::move(i), inputs, outputs, opts.asyncOp));
+#endif
+  return record(cpu_->alltoall(std::move(i), inputs, outputs));
+}
+
+WorkRef MycclBackend::barrier(const c10d::BarrierOptions& opts) {
+  auto i = info(OpType::BARRIER, "barrier", opts.timeout);
+#ifdef MYCCL_WITH_NCCL
+  // With an accelerator device the barrier must also order the device's streams.
+  if (opts.device.has_value() && opts.device->is_cuda()) return record(nccl("barrier").barrier(std::move(i), *opts.device));
+#endif
+  return record(cpu_->barrier(std::move(i)));
+}
+
+// ---- point-to-point ------------------------------------------------------------------------
+
+WorkRef MycclBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  const auto w = where("send");
+  const at::Tensor& t = single(w, tensors);
+  [[maybe_unused]] const bool cuda = isCuda("send", tensors);
+  checkPeer(w, dstRank, rank_, size_);
+  auto i = info(OpType::SEND, "send", c10d::kUnsetTimeout, true);
+  i.op = "send to " + std::to_string(dstRank) + " tag " + std::to_string(tag);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("send").send(std::move(i), t, dstRank));
+#endif
+  return record(cpu_->send(std::move(i), t, dstRank, tag));
+}
+
+WorkRef MycclBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  const auto w = where("recv");
+  const at::Tensor& t = single(w, tensors);
+  [[maybe_unused]] const bool cuda = isCuda("recv", tensors);
+  checkPeer(w, srcRank, rank_, size_);
+  checkWritable(w, t, "tensor");
+  auto i = info(OpType::RECV, "recv", c10d::kUnsetTimeout, true);
+  i.op = "recv from " + std::to_string(srcRank) + " tag " + std::to_string(tag);
+#ifdef MYCCL_WITH_NCCL
+  if (cuda) return record(nccl("recv").recv(std::move(i), t, srcRank));
+#endif
+  return record(cpu_->recv(std::move(i), t, srcRank, tag));
+}
+
+WorkRef MycclBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  const auto w = where("recv_any_source");
+  const at::Tensor& t = single(w, tensors);
+  [[maybe_unused]] const bool cuda = isCuda("recv_any_source", tensors);
+  MYCCL_CHECK_ARG(!cuda, w, ": receive-from-any-source is supported for CPU tensors only (NCCL has no wildcard receive)");
+  MYCCL_CHECK_ARG(size_ > 1, w, ": a group of one rank has nobody to receive from");
+  checkWritable(w, t, "tensor");
+  auto i = info(OpType::RECVANYSOURCE, "recv_any_source", c10d::kUnsetTimeout, true);
+  i.op = "recv from any tag " + std::to_string(tag);
+  return record(cpu_->recvAny(std::move(i), t, tag));
+}
+
+// ---- coalescing, state ---------------------------------------------------------------------
+
+void MycclBackend::startCoalescing() {
+  std::lock_guard<std::mutex> lk(coalesceMu_);
+  MYCCL_CHECK(!coalescing_, where("start_coalescing"), ": already coalescing (nested coalescing is not supported)");
+  coalescing_ = true;
+  coalesced_.clear();
+#ifdef MYCCL_WITH_NCCL
+  if (nccl_) nccl_->startCoalescing();
+#endif
+}
+
+WorkRef MycclBackend::endCoalescing() {
+  std::vector<WorkRef> works;
+  {
+    std::lock_guard<std::mutex> lk(coalesceMu_);
+    MYCCL_CHECK(coalescing_, where("end_coalescing"), ": end_coalescing without start_coalescing");
+    coalescing_ = false;
+    works.swap(coalesced_);
+  }
+  auto i = info(OpType::COALESCED, "coalesced", c10d::kUnsetTimeout, true);
+#ifdef MYCCL_WITH_NCCL
+  if (nccl_) works.push_back(nccl_->endCoalescing(i));
+#endif
+  return combineWorks(std::move(i), std::move(works));
+}
+
+void MycclBackend::setTimeout(std::chrono::milliseconds timeout) {
+  MYCCL_CHECK_ARG(timeout.count() > 0, where("set_timeout"), ": timeout must be positive, got ", timeout.count(), " ms");
+  timeout_ = timeout;
+#ifdef MYCCL_WITH_NCCL
+  if (nccl_) nccl_->setTimeout(timeout);
+#endif
+}
+
+c10d::ErrorType MycclBackend::getError() {
+  if (cpu_ && cpu_->failed()) return cpu_->timedOut() ? c10d::ErrorType::TIMEOUT : c10d::ErrorType::COMM_ERROR;
+#ifdef MYCCL_WITH_NCCL
+  if (nccl_ && nccl_->failed()) return nccl_->timedOut() ? c10d::ErrorType::TIMEOUT : c10d::ErrorType::COMM_ERROR;
+#endif
+  return c10d::ErrorType::SUCCESS;
+}
+
+void MycclBackend::abort() {
+  shutdown_ = true;
+  if (cpu_) cpu_->abort("aborted by ProcessGroup.abort() on rank " + std::to_string(rank_));
+#ifdef MYCCL_WITH_NCCL
+  if (nccl_) nccl_->abort("aborted by ProcessGroup.abort()");
+#endif
+}
+
+void MycclBackend::shutdown() {
+  if (shutdown_.exchange(true)) return;
+  if (cpu_) cpu_->shutdown();
+#ifdef MYCCL_WITH_NCCL
+  if (nccl_) nccl_->shutdown();
+#endif
+}
+
+std::string MycclBackend::describeLinks() const {
+  std::ostringstream os;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    os << "rank " << r << ": " << cpu_->transport().describePeer(r) << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace myccl

@@ -1,0 +1,38 @@
+// Host identity exchange through the store.
+#include "myccl/Topology.hpp"
+
+#include <algorithm>
+#include <unordered_map>
+
+namespace myccl {
+
+Topology Topology::exchange(c10d::Store& store, const std::string& prefix, int rank, int size,
+                            const std::string& hostId) {
+  Topology t;
+  t.rank = rank;
+  t.size = size;
+  store.set(prefix + "host/" + std::to_string(rank), std::vector<uint8_t>(hostId.begin(), hostId.end()));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(prefix + "host/" + std::to_string(r));
+  auto values = store.multiGet(keys);
+  std::unordered_map<std::string, int> index;
+  t.hostOfRank.resize(size);
+  for (int r = 0; r < size; ++r) {
+    std::string id(values[r].begin(), values[r].end());
+    auto it = index.find(id);
+    if (it == index.end()) {
+      it = index.emplace(id, static_cast<int>(t.hostIds.size())).first;
+      t.hostIds.push_back(id);
+    }
+    t.hostOfRank[r] = it->second;
+  }
+  for (int r = 0; r < size; ++r)
+    if (t.hostOfRank[r] == t.hostOfRank[rank]) t.localRanks.push_back(r);
+  t.localRank = static_cast<int>(std::find(t.localRanks.begin(), t.localRanks.end(), rank) - t.localRanks.begin());
+  t.localSize = static_cast<int>(t.localRanks.size());
+  t.crossRank = t.hostOfRank[rank];
+  t.crossSize = static_cast<int>(t.hostIds.size());
+  return t;
+}
+
+}  // namespace myccl

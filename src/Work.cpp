@@ -1,0 +1,234 @@
+// MycclWork: completion, waiting with clear timeout errors, futures and profiler ranges.
+#include "myccl/Work.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+#include "myccl/Errors.hpp"
+
+namespace myccl {
+
+std::exception_ptr makeDistError(const std::string& msg) {
+  try {
+    C10_THROW_ERROR(DistBackendError, msg);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+void throwDistError(const std::string& msg) {
+  C10_THROW_ERROR(DistBackendError, msg);
+}
+
+std::string OpInfo::describe() const {
+  std::ostringstream os;
+  os << op << " #" << seq << " (rank " << rank << ", group '" << group << "')";
+  return os.str();
+}
+
+const char* profilingTitle(c10d::OpType type) {
+  using c10d::OpType;
+  switch (type) {
+    case OpType::BROADCAST: return "myccl:broadcast";
+    case OpType::ALLREDUCE: return "myccl:all_reduce";
+    case OpType::ALLREDUCE_COALESCED: return "myccl:all_reduce_coalesced";
+    case OpType::REDUCE: return "myccl:reduce";
+    case OpType::ALLGATHER: return "myccl:all_gather";
+    case OpType::_ALLGATHER_BASE: return "myccl:_all_gather_base";
+    case OpType::ALLGATHER_COALESCED: return "myccl:all_gather_coalesced";
+    case OpType::ALLGATHER_INTO_TENSOR_COALESCED: return "myccl:all_gather_into_tensor_coalesced";
+    case OpType::GATHER: return "myccl:gather";
+    case OpType::SCATTER: return "myccl:scatter";
+    case OpType::REDUCE_SCATTER: return "myccl:reduce_scatter";
+    case OpType::_REDUCE_SCATTER_BASE: return "myccl:_reduce_scatter_base";
+    case OpType::REDUCE_SCATTER_TENSOR_COALESCED: return "myccl:reduce_scatter_tensor_coalesced";
+    case OpType::ALLTOALL_BASE: return "myccl:all_to_all_single";
+    case OpType::ALLTOALL: return "myccl:all_to_all";
+    case OpType::SEND: return "myccl:send";
+    case OpType::RECV: return "myccl:recv";
+    case OpType::RECVANYSOURCE: return "myccl:recv_any_source";
+    case OpType::BARRIER: return "myccl:barrier";
+    case OpType::COALESCED: return "myccl:coalesced";
+    case OpType::_ALLREDUCE_SPARSE: return "myccl:all_reduce_sparse";
+    default: return "myccl:op";
+  }
+}
+
+MycclWork::MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs)
+    : c10d::Work(info.rank, info.type, profilingTitle(info.type), std::optional<std::vector<at::Tensor>>(inputs)),
+      info_(std::move(info)),
+      inputs_(std::move(inputs)),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      queuedAt_(std::chrono::steady_clock::now()) {}
+
+MycclWork::~MycclWork() = default;
+
+bool MycclWork::isCompleted() {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return completed_;
+}
+
+bool MycclWork::isSuccess() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return completed_ && !exception_;
+}
+
+std::exception_ptr MycclWork::exception() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return exception_;
+}
+
+int MycclWork::sourceRank() const {
+  int r = sourceRank_.load();
+  TORCH_CHECK(r >= 0, "myccl: ", info_.describe(), ": sourceRank() is only defined for a completed receive-from-any");
+  return r;
+}
+
+std::vector<at::Tensor> MycclWork::result() {
+  return outputs_;
+}
+
+void MycclWork::setCanceller(std::function<bool()> cancel) {
+  std::lock_guard<std::mutex> lk(mutex_);
+  cancel_ = std::move(cancel);
+  bounded_ = true;
+}
+
+bool MycclWork::wait(std::chrono::milliseconds timeout) {
+  bool bounded;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    bounded = bounded_;
+  }
+  const bool userTimeout = timeout != kNoTimeout;
+  const auto limit = userTimeout ? timeout : info_.timeout;
+  {
+    std::unique_lock<std::mutex> lk(mutex_);
+    if (!userTimeout && !bounded) {
+      cv_.wait(lk, [&] { return completed_; });
+    } else if (!cv_.wait_for(lk, limit, [&] { return completed_; })) {
+      lk.unlock();
+      std::ostringstream os;
+      os << "myccl: " << info_.describe() << ": wait() timed out after " << limit.count() << " ms";
+      if (bounded && !userTimeout) {
+        // Nothing will complete it: fail it for good and withdraw the request.
+        std::function<bool()> cancel;
+        {
+          std::lock_guard<std::mutex> g(mutex_);
+          cancel = cancel_;
+        }
+        bool withdrawn = cancel && cancel();
+        os << (withdrawn ? "; the peer never sent/received, the request was withdrawn"
+                         : "; the peer never completed the transfer");
+        markDone(makeDistError(os.str()));
+      } else {
+        os << "; the operation is still in progress";
+        throwDistError(os.str());
+      }
+      lk.lock();
+    }
+    if (exception_) std::rethrow_exception(exception_);
+  }
+  return true;
+}
+
+void MycclWork::abort() {
+  markDone(makeDistError("myccl: " + info_.describe() + ": aborted"));
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> MycclWork::getFuture() {
+  return future_;
+}
+
+float MycclWork::getDuration() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  TORCH_CHECK(completed_, "myccl: ", info_.describe(), ": getDuration() called before the work completed");
+  auto from = started_.load() ? startedAt_ : queuedAt_;
+  return std::chrono::duration<float, std::milli>(endedAt_ - from).count();
+}
+
+uint64_t MycclWork::getSequencenumber() const {
+  return info_.seq;
+}
+
+void MycclWork::markStarted() {
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    startedAt_ = std::chrono::steady_clock::now();
+  }
+  started_.store(true);
+}
+
+void MycclWork::markDone(std::exception_ptr error) {
+  bool expected = false;
+  if (!done_.compare_exchange_strong(expected, true, std::memory_order_acq_rel)) return;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    endedAt_ = std::chrono::steady_clock::now();
+  }
+  // The future first (as gloo does): once wait() returns, the future's value is there too.
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  finish(error);  // sets completed_/exception_, wakes waiters, closes the profiler range
+  inputs_.clear();
+}
+
+namespace {
+
+// Completes when every child has; the first child error becomes its error.
+class CombinedWork final : public MycclWork {
+ public:
+  CombinedWork(OpInfo info, std::vector<c10::intrusive_ptr<c10d::Work>> children)
+      : MycclWork(std::move(info), {}, collectOutputs(children)), children_(std::move(children)) {}
+
+  void start() {
+    auto self = c10::intrusive_ptr<CombinedWork>::reclaim_copy(this);
+    pending_.store(static_cast<int>(children_.size()) + 1);
+    for (auto& child : children_) {
+      auto fut = child->getFuture();
+      fut->addCallback([self](c10::ivalue::Future& f) { self->childDone(f.hasError() ? f.exception_ptr() : nullptr); });
+    }
+    childDone(nullptr);  // the +1 above: children that finished before start() cannot complete us early
+  }
+
+ private:
+  static std::vector<at::Tensor> collectOutputs(const std::vector<c10::intrusive_ptr<c10d::Work>>& cs) {
+    std::vector<at::Tensor> out;
+    for (auto& c : cs)
+      for (auto& t : c->result()) out.push_back(t);
+    return out;
+  }
+  void childDone(std::exception_ptr e) {
+    if (e) {
+      std::lock_guard<std::mutex> lk(errMu_);
+      if (!firstError_) firstError_ = e;
+    }
+    if (pending_.fetch_sub(1) == 1) {
+      std::exception_ptr err;
+      {
+        std::lock_guard<std::mutex> lk(errMu_);
+        err = firstError_;
+      }
+      markDone(err);
+    }
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> children_;
+  std::atomic<int> pending_{0};
+  std::mutex errMu_;
+  std::exception_ptr firstError_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<MycclWork> combineWorks(OpInfo info, std::vector<c10::intrusive_ptr<c10d::Work>> children) {
+  auto w = c10::make_intrusive<CombinedWork>(std::move(info), std::move(children));
+  w->start();
+  return w;
+}
+
+}  // namespace myccl

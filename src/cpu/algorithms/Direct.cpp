@@ -1,0 +1,356 @@
+// Direct (one-hop) algorithms over any message transport. Every byte crosses one link once:
+// reductions are a direct reduce-scatter (each rank owns a slice and reduces all ranks'
+// contributions to it in rank order, in one pass) followed by a direct all-gather. That keeps
+// the result bit-identical on every rank, low-precision types rounded once, and moves the same
+// bytes per rank as a ring. Large slices are cut in segments and double-buffered.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "myccl/cpu/algorithms/Algorithms.hpp"
+
+namespace myccl::cpu {
+
+namespace {
+
+constexpr uint32_t kStepData = 1;
+constexpr uint32_t kStepGather = 2;
+constexpr uint32_t kStepRoot = 3;
+// Reductions below this many bytes gather whole buffers instead of slicing them.
+constexpr size_t kSmallReduceBytes = 32 * 1024;
+
+// Split `count` elements into `parts` nearly equal slices; slice r = [offsets[r], +counts[r]).
+void partition(size_t count, int parts, std::vector<size_t>& offsets, std::vector<size_t>& counts) {
+  offsets.resize(parts);
+  counts.resize(parts);
+  size_t base = count / parts, extra = count % parts, off = 0;
+  for (int r = 0; r < parts; ++r) {
+    counts[r] = base + (static_cast<size_t>(r) < extra ? 1 : 0);
+    offsets[r] = off;
+    off += counts[r];
+  }
+}
+
+size_t segmentElems(const CollCtx& c, size_t esize) {
+  return std::max<size_t>(1, c.chunkBytes / esize);
+}
+
+// Number of segments a slice of `count` elements is sent in; both sides compute the same.
+size_t numSegments(size_t count, size_t seg) {
+  return count == 0 ? 1 : (count + seg - 1) / seg;
+}
+
+// Sends `count` elements starting at `p` to `peer` in segments (zero elements: one empty message).
+void sendSegmented(CollCtx& c, std::vector<RequestPtr>& reqs, int peer, uint32_t step, const char* p,
+                   size_t count, size_t esize, size_t seg) {
+  size_t nseg = numSegments(count, seg);
+  for (size_t s = 0; s < nseg; ++s) {
+    size_t off = s * seg, n = std::min(seg, count - std::min(count, off));
+    reqs.push_back(c.tp.isend(peer, c.tag(step), p + off * esize, n * esize));
+  }
+}
+
+// Receives every peer's contribution to this rank's slice segment by segment (two segments in
+// flight per peer) and folds them, with this rank's own, in rank order into `out`.
+// own: this rank's contribution; out may be == own.
+void reduceSliceFromPeers(CollCtx& c, const void* own, void* out, size_t count, const ReduceSpec& spec,
+                          uint32_t step) {
+  const size_t esize = dtypeSize(spec.dtype);
+  const size_t seg = segmentElems(c, esize);
+  const size_t nseg = numSegments(count, seg);
+  const int n = c.size;
+  // slot layout: [buffer 0 | buffer 1] x peers, each seg elements
+  char* scratch = static_cast<char*>(c.scratch.get(0, 2 * static_cast<size_t>(n) * seg * esize));
+  auto slot = [&](int peer, size_t s) { return scratch + ((s & 1) * n + peer) * seg * esize; };
+  std::vector<std::vector<RequestPtr>> inflight(2);
+  auto post = [&](size_t s) {
+    auto& v = inflight[s & 1];
+    v.clear();
+    size_t off = s * seg, m = std::min(seg, count - std::min(count, off));
+    for (int q = 0; q < n; ++q) {
+      if (q == c.rank) continue;
+      v.push_back(c.tp.irecv(q, c.tag(step), slot(q, s), m * esize));
+    }
+  };
+  post(0);
+  if (nseg > 1) post(1);
+  std::vector<const void*> ins(n);
+  for (size_t s = 0; s < nseg; ++s) {
+    waitAll(inflight[s & 1], c.deadline);
+    size_t off = s * seg, m = std::min(seg, count - std::min(count, off));
+    for (int q = 0; q < n; ++q)
+      ins[q] = (q == c.rank) ? static_cast<const char*>(own) + off * esize : static_cast<const void*>(slot(q, s));
+    reduceInto(spec, static_cast<char*>(out) + off * esize, ins.data(), n, m);
+    if (s + 2 < nseg) post(s + 2);
+  }
+}
+
+}  // namespace
+
+Scratch::~Scratch() {
+  release();
+}
+
+void* Scratch::get(int slot, size_t nbytes) {
+  if (static_cast<size_t>(slot) >= bufs_.size()) bufs_.resize(slot + 1);
+  Buf& b = bufs_[slot];
+  if (b.size < nbytes) {
+    std::free(b.ptr);
+    size_t want = std::max<size_t>(nbytes, b.size + b.size / 2);
+    b.ptr = std::aligned_alloc(64, (want + 63) / 64 * 64);
+    if (b.ptr == nullptr) throw CommError(CommErrorKind::Local, "out of memory for " + std::to_string(want) + " bytes of scratch");
+    b.size = want;
+  }
+  return b.ptr;
+}
+
+size_t Scratch::bytesHeld() const {
+  size_t t = 0;
+  for (auto& b : bufs_) t += b.size;
+  return t;
+}
+
+void Scratch::release() {
+  for (auto& b : bufs_) std::free(b.ptr);
+  bufs_.clear();
+}
+
+uint64_t collectiveTagBase(uint8_t opCode, uint64_t seq) {
+  return (uint64_t{1} << 63) | (static_cast<uint64_t>(opCode & 0x7f) << 56) | ((seq & 0xffffffffffull) << 16);
+}
+
+uint64_t p2pTag(int userTag) {
+  return static_cast<uint32_t>(userTag);
+}
+
+void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
+  const int n = c.size;
+  if (n == 1) return;
+  const size_t esize = dtypeSize(spec.dtype);
+  const size_t nbytes = count * esize;
+  if (nbytes <= kSmallReduceBytes || count < static_cast<size_t>(n)) {
+    // One round: everyone sends everything to everyone, everyone reduces in rank order.
+    char* all = static_cast<char*>(c.scratch.get(1, nbytes * n));
+    std::vector<RequestPtr> reqs;
+    for (int q = 0; q < n; ++q) {
+      if (q == c.rank) continue;
+      reqs.push_back(c.tp.irecv(q, c.tag(kStepData), all + q * nbytes, nbytes));
+    }
+    for (int q = 0; q < n; ++q) {
+      if (q == c.rank) continue;
+      reqs.push_back(c.tp.isend(q, c.tag(kStepData), buf, nbytes));
+    }
+    waitAll(reqs, c.deadline);
+    std::vector<const void*> ins(n);
+    for (int q = 0; q < n; ++q) ins[q] = (q == c.rank) ? buf : all + q * nbytes;
+    reduceInto(spec, buf, ins.data(), n, count);
+    return;
+  }
+  std::vector<size_t> offs, cnts;
+  partition(count, n, offs, cnts);
+  char* base = static_cast<char*>(buf);
+  const size_t seg = segmentElems(c, esize);
+  // Reduce-scatter: slice q of my buffer goes to q; I reduce my slice in place.
+  std::vector<RequestPtr> sends;
+  for (int q = 0; q < n; ++q) {
+    if (q == c.rank) continue;
+    sendSegmented(c, sends, q, kStepData, base + offs[q] * esize, cnts[q], esize, seg);
+  }
+  char* mine = base + offs[c.rank] * esize;
+  reduceSliceFromPeers(c, mine, mine, cnts[c.rank], spec, kStepData);
+  waitAll(sends, c.deadline);  // my copies of other slices may now be overwritten
+  // All-gather the reduced slices.
+  std::vector<RequestPtr> reqs;
+  for (int q = 0; q < n; ++q) {
+    if (q == c.rank) continue;
+    reqs.push_back(c.tp.irecv(q, c.tag(kStepGather), base + offs[q] * esize, cnts[q] * esize));
+  }
+  for (int q = 0; q < n; ++q) {
+    if (q == c.rank) continue;
+    reqs.push_back(c.tp.isend(q, c.tag(kStepGather), mine, cnts[c.rank] * esize));
+  }
+  waitAll(reqs, c.deadline);
+}
+
+void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
+  const int n = c.size;
+  if (n == 1) return;
+  std::vector<RequestPtr> reqs;
+  if (n <= 3 || nbytes < 256 * 1024) {
+    if (c.rank == root) {
+      for (int q = 0; q < n; ++q)
+        if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepData), buf, nbytes));
+    } else {
+      reqs.push_back(c.tp.irecv(root, c.tag(kStepData), buf, nbytes));
+    }
+    waitAll(reqs, c.deadline);
+    return;
+  }
+  // Large, many ranks: root scatters slices, then everyone all-gathers them, so the root sends
+  // the message once instead of n-1 times.
+  std::vector<size_t> offs, cnts;
+  partition(nbytes, n, offs, cnts);
+  char* base = static_cast<char*>(buf);
+  if (c.rank == root) {
+    for (int q = 0; q < n; ++q)
+      if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepData), base + offs[q], cnts[q]));
+  } else {
+    reqs.push_back(c.tp.irecv(root, c.tag(kStepData), base + offs[c.rank], cnts[c.rank]));
+  }
+  waitAll(reqs, c.deadline);
+  reqs.clear();
+  // Everyone forwards the slice it holds to every rank that lacks it (the root lacks none).
+  if (c.rank == root) {
+    for (int q = 0; q < n; ++q)
+      if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepGather), base + offs[root], cnts[root]));
+  } else {
+    for (int q = 0; q < n; ++q) {
+      if (q == c.rank) continue;
+      reqs.push_back(c.tp.irecv(q, c.tag(kStepGather), base + offs[q], cnts[q]));
+      if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepGather), base + offs[c.rank], cnts[c.rank]));
+    }
+  }
+  waitAll(reqs, c.deadline);
+}
+
+void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpec& spec, int root) {
+  const int n = c.size;
+  const size_t esize = dtypeSize(spec.dtype);
+  const size_t nbytes = count * esize;
+  if (n == 1) {
+    reduceInto(spec, out, &in, 1, count);
+    return;
+  }
+  if (nbytes <= kSmallReduceBytes || count < static_cast<size_t>(n)) {
+    std::vector<RequestPtr> reqs;
+    if (c.rank != root) {
+      reqs.push_back(c.tp.isend(root, c.tag(kStepData), in, nbytes));
+      waitAll(reqs, c.deadline);
+      return;
+    }
+    char* all = static_cast<char*>(c.scratch.get(1, nbytes * n));
+    for (int q = 0; q < n; ++q)
+      if (q != root) reqs.push_back(c.tp.irecv(q, c.tag(kStepData), all + q * nbytes, nbytes));
+    waitAll(reqs, c.deadline);
+    std::vector<const void*> ins(n);
+    for (int q = 0; q < n; ++q) ins[q] = (q == root) ? in : all + q * nbytes;
+    reduceInto(spec, out, ins.data(), n, count);
+    return;
+  }
+  // Direct reduce-scatter into scratch (inputs stay untouched), then gather slices at root.
+  std::vector<size_t> offs, cnts;
+  partition(count, n, offs, cnts);
+  const char* src = static_cast<const char*>(in);
+  const size_t seg = segmentElems(c, esize);
+  std::vector<RequestPtr> sends;
+  for (int q = 0; q < n; ++q) {
+    if (q == c.rank) continue;
+    sendSegmented(c, sends, q, kStepData, src + offs[q] * esize, cnts[q], esize, seg);
+  }
+  char* mine = (c.rank == root) ? static_cast<char*>(out) + offs[c.rank] * esize
+                                : static_cast<char*>(c.scratch.get(2, cnts[c.rank] * esize));
+  // On root `out` may be `in`: its slices still being sent must not change, so the root
+  // reduces its own slice into scratch first when they alias.
+  const bool alias = (c.rank == root) && (out == in);
+  char* dst = alias ? static_cast<char*>(c.scratch.get(2, cnts[c.rank] * esize)) : mine;
+  reduceSliceFromPeers(c, src + offs[c.rank] * esize, dst, cnts[c.rank], spec, kStepData);
+  waitAll(sends, c.deadline);
+  std::vector<RequestPtr> reqs;
+  if (c.rank == root) {
+    if (alias) std::memcpy(mine, dst, cnts[c.rank] * esize);
+    for (int q = 0; q < n; ++q)
+      if (q != root)
+        reqs.push_back(c.tp.irecv(q, c.tag(kStepRoot), static_cast<char*>(out) + offs[q] * esize, cnts[q] * esize));
+  } else {
+    reqs.push_back(c.tp.isend(root, c.tag(kStepRoot), dst, cnts[c.rank] * esize));
+  }
+  waitAll(reqs, c.deadline);
+}
+
+void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes) {
+  std::vector<RequestPtr> reqs;
+  for (int q = 0; q < c.size; ++q) {
+    if (q == c.rank) continue;
+    reqs.push_back(c.tp.irecv(q, c.tag(kStepData), outs[q], nbytes[q]));
+  }
+  for (int q = 0; q < c.size; ++q) {
+    if (q == c.rank) continue;
+    reqs.push_back(c.tp.isend(q, c.tag(kStepData), in, nbytes[c.rank]));
+  }
+  if (outs[c.rank] != in && nbytes[c.rank] > 0) std::memcpy(outs[c.rank], in, nbytes[c.rank]);
+  waitAll(reqs, c.deadline);
+}
+
+void gatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes, int root) {
+  std::vector<RequestPtr> reqs;
+  if (c.rank == root) {
+    for (int q = 0; q < c.size; ++q)
+      if (q != root) reqs.push_back(c.tp.irecv(q, c.tag(kStepData), outs[q], nbytes[q]));
+    if (outs[root] != in && nbytes[root] > 0) std::memcpy(outs[root], in, nbytes[root]);
+  } else {
+    reqs.push_back(c.tp.isend(root, c.tag(kStepData), in, nbytes[c.rank]));
+  }
+  waitAll(reqs, c.deadline);
+}
+
+void scatterv(CollCtx& c, const void* const* ins, void* out, const size_t* nbytes, int root) {
+  std::vector<RequestPtr> reqs;
+  if (c.rank == root) {
+    for (int q = 0; q < c.size; ++q)
+      if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepData), ins[q], nbytes[q]));
+    if (ins[root] != out && nbytes[root] > 0) std::memcpy(out, ins[root], nbytes[root]);
+  } else {
+    reqs.push_back(c.tp.irecv(root, c.tag(kStepData), out, nbytes[c.rank]));
+  }
+  waitAll(reqs, c.deadline);
+}
+
+void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec) {
+  const size_t esize = dtypeSize(spec.dtype);
+  const size_t seg = segmentElems(c, esize);
+  std::vector<RequestPtr> sends;
+  for (int q = 0; q < c.size; ++q) {
+    if (q == c.rank) continue;
+    sendSegmented(c, sends, q, kStepData, static_cast<const char*>(ins[q]), counts[q], esize, seg);
+  }
+  if (c.size == 1) {
+    reduceInto(spec, out, &ins[0], 1, counts[0]);
+  } else {
+    reduceSliceFromPeers(c, ins[c.rank], out, counts[c.rank], spec, kStepData);
+  }
+  waitAll(sends, c.deadline);
+}
+
+void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, void* const* recvs,
+               const size_t* recvBytes) {
+  std::vector<RequestPtr> reqs;
+  for (int q = 0; q < c.size; ++q) {
+    if (q == c.rank) continue;
+    reqs.push_back(c.tp.irecv(q, c.tag(kStepData), recvs[q], recvBytes[q]));
+  }
+  for (int k = 1; k < c.size; ++k) {
+    int q = (c.rank + k) % c.size;  // staggered so ranks do not all hit rank 0 first
+    reqs.push_back(c.tp.isend(q, c.tag(kStepData), sends[q], sendBytes[q]));
+  }
+  if (sendBytes[c.rank] != recvBytes[c.rank]) {
+    throw CommError(CommErrorKind::Local, "all_to_all: this rank sends " + std::to_string(sendBytes[c.rank]) +
+                                              " bytes to itself but expects " + std::to_string(recvBytes[c.rank]));
+  }
+  if (recvs[c.rank] != sends[c.rank] && recvBytes[c.rank] > 0)
+    std::memmove(recvs[c.rank], sends[c.rank], recvBytes[c.rank]);
+  waitAll(reqs, c.deadline);
+}
+
+void barrier(CollCtx& c) {
+  // Dissemination: log2(n) rounds of empty messages.
+  for (int k = 1, step = 0; k < c.size; k <<= 1, ++step) {
+    std::vector<RequestPtr> reqs;
+    int to = (c.rank + k) % c.size;
+    int from = (c.rank - k + c.size) % c.size;
+    reqs.push_back(c.tp.irecv(from, c.tag(kStepData + step), nullptr, 0));
+    reqs.push_back(c.tp.isend(to, c.tag(kStepData + step), nullptr, 0));
+    waitAll(reqs, c.deadline);
+  }
+}
+
+}  // namespace myccl::cpu

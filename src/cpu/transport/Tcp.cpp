@@ -1,0 +1,1005 @@
+// TCP transport. Setup builds a full mesh (lower rank accepts, higher rank connects) where
+// every connection must present the group's secret before it is kept. After setup one epoll
+// thread reads every socket; sends are written by the posting thread when the socket is idle
+// and by the epoll thread otherwise. Messages up to eagerBytes travel at once; larger ones
+// announce themselves (RTS) and are sent when the receiver has posted a buffer (CTS), so a
+// receiver never buffers a large unexpected message and never stalls other tags behind it.
+#include "myccl/cpu/transport/Tcp.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <c10/util/Logging.h>
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+namespace myccl::cpu {
+
+namespace {
+
+constexpr uint32_t kMagic = 0x4d5943u;  // "MYC"
+constexpr uint32_t kHelloMagic = 0x4d59434cu;
+constexpr uint32_t kVersion = 1;
+constexpr size_t kTokenBytes = 32;
+
+enum Kind : uint32_t { kEager = 1, kRts = 2, kCts = 3, kData = 4, kNack = 5 };
+
+struct Hello {
+  uint32_t magic;
+  uint32_t version;
+  uint32_t rank;
+  uint32_t size;
+  char token[kTokenBytes];
+};
+
+struct HelloAck {
+  uint32_t magic;
+  uint32_t rank;
+};
+
+std::string errnoStr(int err) {
+  return std::string(strerror(err));
+}
+
+void setNonBlocking(int fd, bool on) {
+  int flags = fcntl(fd, F_GETFL, 0);
+  fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
+}
+
+void setNoDelay(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// Blocking full read/write with a deadline, used only during setup.
+bool ioFull(int fd, void* buf, size_t n, bool writing, Deadline deadline) {
+  char* p = static_cast<char*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return false;
+    pollfd pfd{fd, static_cast<short>(writing ? POLLOUT : POLLIN), 0};
+    int pr = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+    if (pr < 0 && errno != EINTR) return false;
+    if (pr <= 0) continue;
+    ssize_t r = writing ? ::send(fd, p + done, n - done, MSG_NOSIGNAL) : ::recv(fd, p + done, n - done, 0);
+    if (r == 0) return false;
+    if (r < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+      return false;
+    }
+    done += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool constantTimeEqual(const char* a, const char* b, size_t n) {
+  unsigned char diff = 0;
+  for (size_t i = 0; i < n; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+std::string formatAddr(const sockaddr_storage& ss) {
+  char host[INET6_ADDRSTRLEN] = {0};
+  int port = 0;
+  if (ss.ss_family == AF_INET) {
+    auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    port = ntohs(in->sin_port);
+    return std::string(host) + ":" + std::to_string(port);
+  }
+  auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+  inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
+  port = ntohs(in6->sin6_port);
+  return "[" + std::string(host) + "]:" + std::to_string(port);
+}
+
+// "1.2.3.4:5" or "[::1]:5" -> sockaddr
+bool parseAddr(const std::string& s, sockaddr_storage& out, socklen_t& len) {
+  std::string host, port;
+  if (!s.empty() && s[0] == '[') {
+    auto close = s.find(']');
+    if (close == std::string::npos || close + 2 > s.size()) return false;
+    host = s.substr(1, close - 1);
+    port = s.substr(close + 2);
+  } else {
+    auto colon = s.rfind(':');
+    if (colon == std::string::npos) return false;
+    host = s.substr(0, colon);
+    port = s.substr(colon + 1);
+  }
+  addrinfo hints{};
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || res == nullptr) return false;
+  std::memcpy(&out, res->ai_addr, res->ai_addrlen);
+  len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return true;
+}
+
+}  // namespace
+
+struct TcpTransport::Frame {
+  uint32_t magicKind;  // kMagic << 8 | kind: catches a desynchronised stream at once
+  uint32_t reserved;
+  uint64_t tag;
+  uint64_t nbytes;
+  uint64_t id;
+};
+
+struct TcpTransport::SendItem {
+  Frame hdr{};
+  size_t hdrOff = 0;
+  const char* data = nullptr;
+  size_t nbytes = 0;
+  size_t off = 0;
+  RequestPtr req;  // completed when fully written; null for control frames
+};
+
+struct TcpTransport::PostedRecv {
+  RequestPtr req;
+  std::vector<int> anyOf;  // non-empty for receive-from-any
+  uint64_t tag = 0;
+  char* data = nullptr;
+  size_t nbytes = 0;
+  uint64_t order = 0;
+};
+
+struct TcpTransport::Unexpected {
+  uint64_t tag = 0;
+  bool rts = false;
+  uint64_t sendId = 0;
+  size_t nbytes = 0;
+  std::vector<char> data;
+  bool complete = false;
+  uint64_t order = 0;
+  std::shared_ptr<PostedRecv> waiter;  // matched while its payload was still arriving
+};
+
+struct TcpTransport::Peer {
+  int fd = -1;
+  std::string addr;
+  bool dead = false;
+  std::string deadReason;
+  // Send side (under mu_).
+  std::deque<std::unique_ptr<SendItem>> sendq;
+  bool wantOut = false;
+  struct PendingRts {
+    RequestPtr req;
+    const char* data;
+    size_t nbytes;
+  };
+  std::unordered_map<uint64_t, PendingRts> awaitingCts;
+  // Receive side (under mu_).
+  std::deque<std::shared_ptr<PostedRecv>> posted;
+  std::deque<std::shared_ptr<Unexpected>> unexpected;
+  std::unordered_map<uint64_t, std::shared_ptr<PostedRecv>> activeRecvs;  // awaiting DATA
+  // Read state machine (epoll thread only; targets are fixed under mu_ at header time).
+  Frame hdr{};
+  size_t hdrGot = 0;
+  bool inPayload = false;
+  char* target = nullptr;
+  size_t targetLen = 0;
+  size_t targetGot = 0;
+  std::shared_ptr<PostedRecv> readingFor;
+  std::shared_ptr<Unexpected> readingUnexpected;
+  bool discarding = false;
+  std::vector<char> sink;
+};
+
+TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, TcpSetup setup,
+                           const std::string& token)
+    : setup_(std::move(setup)) {
+  peers_.resize(setup_.size);
+  for (auto& p : peers_) p = std::make_unique<Peer>();
+  connectMesh(store, keyPrefix, token);
+  epfd_ = epoll_create1(EPOLL_CLOEXEC);
+  wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  MYCCL_CHECK(epfd_ >= 0 && wakeFd_ >= 0, "tcp transport: epoll/eventfd: ", errnoStr(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u32 = UINT32_MAX;
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, wakeFd_, &ev);
+  for (int r = 0; r < setup_.size; ++r) {
+    if (r == setup_.rank) continue;
+    auto& p = *peers_[r];
+    setNonBlocking(p.fd, true);
+    setNoDelay(p.fd);
+    epoll_event pev{};
+    pev.events = EPOLLIN;
+    pev.data.u32 = static_cast<uint32_t>(r);
+    epoll_ctl(epfd_, EPOLL_CTL_ADD, p.fd, &pev);
+  }
+  io_ = std::thread([this] { ioLoop(); });
+}
+
+TcpTransport::~TcpTransport() {
+  close("transport destroyed");
+}
+
+void TcpTransport::connectMesh(c10d::Store& store, const std::string& keyPrefix,
+                               const std::string& token) {
+  const int rank = setup_.rank, size = setup_.size;
+  setup_.peerAddresses.assign(size, "");
+  if (size == 1) return;
+  MYCCL_CHECK(token.size() == kTokenBytes, "tcp transport: bad group secret length");
+  const Deadline deadline = Clock::now() + setup_.timeout;
+
+  // Listen on the chosen interface only.
+  sockaddr_storage bindAddr{};
+  socklen_t bindLen = 0;
+  MYCCL_CHECK(parseAddr(setup_.bindAddress + ":0", bindAddr, bindLen) ||
+                  parseAddr("[" + setup_.bindAddress + "]:0", bindAddr, bindLen),
+              "tcp transport (rank ", rank, "): cannot parse listen address '", setup_.bindAddress, "'");
+  int lfd = ::socket(bindAddr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  MYCCL_CHECK(lfd >= 0, "tcp transport (rank ", rank, "): socket(): ", errnoStr(errno));
+  if (::bind(lfd, reinterpret_cast<sockaddr*>(&bindAddr), bindLen) != 0 || ::listen(lfd, size + 64) != 0) {
+    int err = errno;
+    ::close(lfd);
+    MYCCL_CHECK(false, "tcp transport (rank ", rank, "): cannot listen on ", setup_.bindAddress, ": ",
+                errnoStr(err), " (set MYCCL_SOCKET_IFNAME to pick another interface)");
+  }
+  sockaddr_storage actual{};
+  socklen_t alen = sizeof(actual);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&actual), &alen);
+  const std::string myAddr = formatAddr(actual);
+  setup_.peerAddresses[rank] = myAddr;
+  store.set(keyPrefix + "addr/" + std::to_string(rank), std::vector<uint8_t>(myAddr.begin(), myAddr.end()));
+
+  // Accept from lower ranks on a helper thread while this thread connects to higher ranks,
+  // so the mesh forms in one round instead of a chain.
+  std::string acceptError;
+  std::thread acceptor([&] {
+    int needed = rank;
+    while (needed > 0) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) break;
+      pollfd pfd{lfd, POLLIN, 0};
+      int pr = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), 200)));
+      if (pr <= 0) continue;
+      sockaddr_storage from{};
+      socklen_t flen = sizeof(from);
+      int fd = ::accept4(lfd, reinterpret_cast<sockaddr*>(&from), &flen, SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      const std::string fromStr = formatAddr(from);
+      Hello h{};
+      Deadline helloDeadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
+      bool ok = ioFull(fd, &h, sizeof(h), false, helloDeadline);
+      std::string why;
+      if (!ok) {
+        why = "no complete hello within 5 s";
+      } else if (h.magic != kHelloMagic || h.version != kVersion) {
+        why = "not a myccl peer (bad magic/version)";
+      } else if (static_cast<int>(h.size) != size || static_cast<int>(h.rank) >= rank) {
+        why = "claims rank " + std::to_string(h.rank) + " of " + std::to_string(h.size);
+      } else if (!constantTimeEqual(h.token, token.data(), kTokenBytes)) {
+        why = "wrong group secret";
+      } else if (peers_[h.rank]->fd >= 0) {
+        why = "duplicate connection for rank " + std::to_string(h.rank);
+      }
+      if (!why.empty()) {
+        ::close(fd);
+        rejected_.fetch_add(1);
+        LOG(WARNING) << "myccl: rank " << rank << " rejected a connection from " << fromStr << ": " << why;
+        continue;
+      }
+      HelloAck ack{kHelloMagic, static_cast<uint32_t>(rank)};
+      if (!ioFull(fd, &ack, sizeof(ack), true, deadline)) {
+        ::close(fd);
+        continue;
+      }
+      peers_[h.rank]->fd = fd;
+      peers_[h.rank]->addr = fromStr;
+      --needed;
+    }
+    if (needed > 0) {
+      std::ostringstream os;
+      os << "ranks";
+      for (int r = 0; r < rank; ++r)
+        if (peers_[r]->fd < 0) os << " " << r;
+      os << " never connected";
+      acceptError = os.str();
+    }
+  });
+
+  std::string connectError;
+  for (int peer = rank + 1; peer < size && connectError.empty(); ++peer) {
+    std::string addr;
+    try {
+      auto v = store.get(keyPrefix + "addr/" + std::to_string(peer));
+      addr.assign(v.begin(), v.end());
+    } catch (const std::exception& e) {
+      connectError = "rank " + std::to_string(peer) + " never published its address: " + e.what();
+      break;
+    }
+    setup_.peerAddresses[peer] = addr;
+    sockaddr_storage sa{};
+    socklen_t salen = 0;
+    if (!parseAddr(addr, sa, salen)) {
+      connectError = "rank " + std::to_string(peer) + " published a bad address '" + addr + "'";
+      break;
+    }
+    int lastErr = 0;
+    int fd = -1;
+    auto backoff = std::chrono::milliseconds(10);
+    while (Clock::now() < deadline) {
+      fd = ::socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&sa), salen) == 0) break;
+      lastErr = errno;
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+    }
+    if (fd < 0) {
+      connectError = "cannot connect to rank " + std::to_string(peer) + " at " + addr + ": " +
+                     errnoStr(lastErr ? lastErr : ETIMEDOUT) +
+                     " (is the address reachable from this host? set MYCCL_SOCKET_IFNAME)";
+      break;
+    }
+    Hello h{kHelloMagic, kVersion, static_cast<uint32_t>(rank), static_cast<uint32_t>(size), {}};
+    std::memcpy(h.token, token.data(), kTokenBytes);
+    HelloAck ack{};
+    if (!ioFull(fd, &h, sizeof(h), true, deadline) || !ioFull(fd, &ack, sizeof(ack), false, deadline) ||
+        ack.magic != kHelloMagic || static_cast<int>(ack.rank) != peer) {
+      ::close(fd);
+      connectError = "handshake with rank " + std::to_string(peer) + " at " + addr +
+                     " failed (peer closed the connection or is not part of this group)";
+      break;
+    }
+    peers_[peer]->fd = fd;
+    peers_[peer]->addr = addr;
+  }
+  if (!connectError.empty()) {
+    // Unblock the acceptor early: nothing will succeed now.
+    ::shutdown(lfd, SHUT_RDWR);
+  }
+  acceptor.join();
+  ::close(lfd);
+  if (!connectError.empty() || !acceptError.empty()) {
+    for (auto& p : peers_)
+      if (p->fd >= 0) ::close(p->fd), p->fd = -1;
+    throwDistError("myccl: rank " + std::to_string(rank) + " could not connect its TCP mesh within " +
+                   std::to_string(setup_.timeout.count()) + " ms: " +
+                   (connectError.empty() ? acceptError : connectError));
+  }
+}
+
+void TcpTransport::wake() {
+  uint64_t one = 1;
+  ssize_t r = ::write(wakeFd_, &one, sizeof(one));
+  (void)r;
+}
+
+RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t nbytes) {
+  auto req = std::make_shared<Request>(peer, tag, nbytes);
+  std::vector<std::function<void()>> done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& p = *peers_[peer];
+    if (closed_ || p.dead) {
+      req->fail(closed_ ? CommErrorKind::Aborted : CommErrorKind::PeerGone,
+                closed_ ? closeReason_ : p.deadReason, peer);
+      return req;
+    }
+    auto item = std::make_unique<SendItem>();
+    item->hdr.tag = tag;
+    item->hdr.nbytes = nbytes;
+    if (static_cast<int64_t>(nbytes) <= setup_.eagerBytes) {
+      item->hdr.magicKind = kMagic << 8 | kEager;
+      item->data = static_cast<const char*>(data);
+      item->nbytes = nbytes;
+      item->req = req;
+    } else {
+      uint64_t id = nextId_++;
+      item->hdr.magicKind = kMagic << 8 | kRts;
+      item->hdr.id = id;
+      p.awaitingCts.emplace(id, Peer::PendingRts{req, static_cast<const char*>(data), nbytes});
+    }
+    pushSend(peer, std::move(item), done);
+  }
+  for (auto& f : done) f();
+  return req;
+}
+
+RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t nbytes) {
+  auto pr = std::make_shared<PostedRecv>();
+  pr->req = std::make_shared<Request>(peer, tag, nbytes);
+  pr->tag = tag;
+  pr->data = static_cast<char*>(data);
+  pr->nbytes = nbytes;
+  std::vector<std::function<void()>> done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    pr->order = nextId_++;
+    if (closed_) {
+      pr->req->fail(CommErrorKind::Aborted, closeReason_, peer);
+      return pr->req;
+    }
+    matchPostedLocked(pr, done);
+  }
+  for (auto& f : done) f();
+  return pr->req;
+}
+
+RequestPtr TcpTransport::irecvAny(const std::vector<int>& peers, uint64_t tag, void* data, size_t nbytes) {
+  auto pr = std::make_shared<PostedRecv>();
+  pr->req = std::make_shared<Request>(-1, tag, nbytes);
+  pr->anyOf = peers;
+  pr->tag = tag;
+  pr->data = static_cast<char*>(data);
+  pr->nbytes = nbytes;
+  std::vector<std::function<void()>> done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    pr->order = nextId_++;
+    if (closed_) {
+      pr->req->fail(CommErrorKind::Aborted, closeReason_, -1);
+      return pr->req;
+    }
+    matchPostedLocked(pr, done);
+  }
+  for (auto& f : done) f();
+  return pr->req;
+}
+
+// A receive was just posted: take the oldest matching unexpected message, if any.
+void TcpTransport::matchPostedLocked(const std::shared_ptr<PostedRecv>& pr,
+                                     std::vector<std::function<void()>>& done) {
+  int bestPeer = -1;
+  std::deque<std::shared_ptr<Unexpected>>::iterator best;
+  auto consider = [&](int peer) {
+    auto& p = *peers_[peer];
+    for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
+      if ((*it)->tag == pr->tag) {
+        if (bestPeer < 0 || (*it)->order < (*best)->order) {
+          bestPeer = peer;
+          best = it;
+        }
+        return;
+      }
+    }
+  };
+  if (pr->anyOf.empty()) {
+    consider(pr->req->peer());
+  } else {
+    for (int peer : pr->anyOf) consider(peer);
+  }
+  if (bestPeer < 0) {
+    if (pr->anyOf.empty()) {
+      auto& p = *peers_[pr->req->peer()];
+      if (p.dead) {
+        auto req = pr->req;
+        auto why = p.deadReason;
+        int peer = pr->req->peer();
+        done.push_back([req, why, peer] { req->fail(CommErrorKind::PeerGone, why, peer); });
+        return;
+      }
+      p.posted.push_back(pr);
+    } else {
+      bool anyAlive = false;
+      for (int peer : pr->anyOf) anyAlive |= !peers_[peer]->dead;
+      if (!anyAlive) {
+        auto req = pr->req;
+        done.push_back([req] { req->fail(CommErrorKind::PeerGone, "every peer of this receive-from-any is gone", -1); });
+        return;
+      }
+      anyRecvs_.push_back(pr);
+    }
+    return;
+  }
+  auto& p = *peers_[bestPeer];
+  std::shared_ptr<Unexpected> u = *best;
+  p.unexpected.erase(best);
+  auto req = pr->req;
+  if (u->nbytes != pr->nbytes) {
+    std::string msg = "message from rank " + std::to_string(bestPeer) + " has " + std::to_string(u->nbytes) +
+                      " bytes but the receive expects " + std::to_string(pr->nbytes);
+    int peer = bestPeer;
+    done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
+    if (u->rts) {
+      auto nack = std::make_unique<SendItem>();
+      nack->hdr.magicKind = kMagic << 8 | kNack;
+      nack->hdr.id = u->sendId;
+      nack->hdr.nbytes = pr->nbytes;
+      pushSend(bestPeer, std::move(nack), done);
+    }
+    return;
+  }
+  if (u->rts) {
+    uint64_t recvId = nextId_++;
+    p.activeRecvs.emplace(recvId, pr);
+    auto cts = std::make_unique<SendItem>();
+    cts->hdr.magicKind = kMagic << 8 | kCts;
+    cts->hdr.id = u->sendId;
+    cts->hdr.tag = recvId;
+    pushSend(bestPeer, std::move(cts), done);
+    return;
+  }
+  if (!u->complete) {
+    u->waiter = pr;  // the epoll thread finishes it when the payload is in
+    return;
+  }
+  if (!u->data.empty()) std::memcpy(pr->data, u->data.data(), u->data.size());
+  int src = bestPeer;
+  done.push_back([req, src] { req->complete(src); });
+}
+
+void TcpTransport::pushSend(int peer, std::unique_ptr<SendItem> item, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  const bool wasIdle = p.sendq.empty();
+  p.sendq.push_back(std::move(item));
+  if (wasIdle) flushLocked(peer, done);
+}
+
+// Writes as much of the send queue as the socket takes without blocking.
+void TcpTransport::flushLocked(int peer, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  while (!p.sendq.empty() && !p.dead) {
+    SendItem& it = *p.sendq.front();
+    iovec iov[2];
+    int n = 0;
+    if (it.hdrOff < sizeof(Frame)) {
+      iov[n].iov_base = reinterpret_cast<char*>(&it.hdr) + it.hdrOff;
+      iov[n].iov_len = sizeof(Frame) - it.hdrOff;
+      ++n;
+    }
+    if (it.off < it.nbytes) {
+      iov[n].iov_base = const_cast<char*>(it.data + it.off);
+      iov[n].iov_len = it.nbytes - it.off;
+      ++n;
+    }
+    if (n > 0) {
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = n;
+      ssize_t w = ::sendmsg(p.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        // Failure handling belongs to the epoll thread (it may be reading into a user
+        // buffer right now); make it notice.
+        p.deadReason = "sending to rank " + std::to_string(peer) + " (" + p.addr + ") failed: " + errnoStr(errno);
+        ::shutdown(p.fd, SHUT_RDWR);
+        wake();
+        break;
+      }
+      size_t wrote = static_cast<size_t>(w);
+      size_t h = std::min(wrote, sizeof(Frame) - it.hdrOff);
+      it.hdrOff += h;
+      it.off += wrote - h;
+    }
+    if (it.hdrOff == sizeof(Frame) && it.off == it.nbytes) {
+      if (it.req) {
+        auto req = it.req;
+        done.push_back([req, peer] { req->complete(peer); });
+      }
+      p.sendq.pop_front();
+    }
+  }
+  const bool want = !p.sendq.empty() && !p.dead;
+  if (want != p.wantOut) {
+    p.wantOut = want;
+    updateInterestLocked(peer);
+  }
+}
+
+void TcpTransport::updateInterestLocked(int peer) {
+  auto& p = *peers_[peer];
+  if (p.fd < 0 || epfd_ < 0) return;
+  epoll_event ev{};
+  ev.events = EPOLLIN | (p.wantOut ? EPOLLOUT : 0);
+  ev.data.u32 = static_cast<uint32_t>(peer);
+  epoll_ctl(epfd_, EPOLL_CTL_MOD, p.fd, &ev);
+}
+
+void TcpTransport::ioLoop() {
+  constexpr int kMaxEvents = 64;
+  epoll_event events[kMaxEvents];
+  std::vector<std::function<void()>> done;
+  while (!stopping_.load(std::memory_order_acquire)) {
+    int n = epoll_wait(epfd_, events, kMaxEvents, 1000);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      uint32_t id = events[i].data.u32;
+      if (id == UINT32_MAX) {
+        uint64_t v;
+        while (::read(wakeFd_, &v, sizeof(v)) > 0) {
+        }
+        continue;
+      }
+      int peer = static_cast<int>(id);
+      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) handleReadable(peer, done);
+      if (events[i].events & EPOLLOUT) handleWritable(peer, done);
+    }
+    // A posting thread may have broken a socket; the read path turns that into a failure.
+    for (auto& f : done) f();
+    done.clear();
+  }
+}
+
+void TcpTransport::handleWritable(int peer, std::vector<std::function<void()>>& done) {
+  std::lock_guard<std::mutex> lk(mu_);
+  flushLocked(peer, done);
+}
+
+void TcpTransport::handleReadable(int peer, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  if (p.dead) return;
+  // Bound the work per wake-up so one busy peer cannot starve the others.
+  for (int rounds = 0; rounds < 64; ++rounds) {
+    if (!p.inPayload) {
+      ssize_t r = ::recv(p.fd, reinterpret_cast<char*>(&p.hdr) + p.hdrGot, sizeof(Frame) - p.hdrGot, 0);
+      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        std::lock_guard<std::mutex> lk(mu_);
+        std::string why = !p.deadReason.empty() ? p.deadReason
+                          : r == 0 ? "rank " + std::to_string(peer) + " (" + p.addr +
+                                         ") closed the connection: the process exited or crashed"
+                                   : "connection to rank " + std::to_string(peer) + " (" + p.addr +
+                                         ") failed: " + errnoStr(errno);
+        peerFailedLocked(peer, why, done);
+        return;
+      }
+      if (r < 0) return;
+      p.hdrGot += static_cast<size_t>(r);
+      if (p.hdrGot < sizeof(Frame)) continue;
+      p.hdrGot = 0;
+      std::lock_guard<std::mutex> lk(mu_);
+      onHeader(peer, p.hdr, done);
+      if (p.dead) return;
+      if (!p.inPayload) continue;
+      if (p.targetLen == 0) {
+        finishRead(peer, done);
+        continue;
+      }
+    }
+    // Payload: straight into its destination, without holding the lock.
+    char* dst = p.discarding ? p.sink.data() : p.target + p.targetGot;
+    size_t want = p.discarding ? std::min(p.sink.size(), p.targetLen - p.targetGot) : p.targetLen - p.targetGot;
+    ssize_t r = ::recv(p.fd, dst, want, 0);
+    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      std::lock_guard<std::mutex> lk(mu_);
+      std::string why = !p.deadReason.empty() ? p.deadReason
+                        : "rank " + std::to_string(peer) + " (" + p.addr +
+                              ") closed the connection in the middle of a message: the process exited or crashed";
+      peerFailedLocked(peer, why, done);
+      return;
+    }
+    if (r < 0) return;
+    p.targetGot += static_cast<size_t>(r);
+    if (p.targetGot == p.targetLen) {
+      std::lock_guard<std::mutex> lk(mu_);
+      finishRead(peer, done);
+    }
+  }
+}
+
+// Called with mu_ held when a full frame header has arrived from `peer`.
+void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  if ((f.magicKind >> 8) != kMagic) {
+    peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (bad frame magic)", done);
+    return;
+  }
+  const uint32_t kind = f.magicKind & 0xff;
+  p.discarding = false;
+  p.readingFor.reset();
+  p.readingUnexpected.reset();
+  p.target = nullptr;
+  p.targetLen = 0;
+  p.targetGot = 0;
+  p.inPayload = false;
+
+  auto startDiscard = [&](size_t n) {
+    p.discarding = true;
+    if (p.sink.empty()) p.sink.resize(1 << 16);
+    p.targetLen = n;
+    p.inPayload = true;
+  };
+
+  if (kind == kEager || kind == kRts) {
+    // Oldest posted receive that matches: per-peer list and receive-from-any compete by order.
+    std::shared_ptr<PostedRecv> match;
+    auto pit = p.posted.end();
+    for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
+      if ((*it)->tag == f.tag) {
+        pit = it;
+        break;
+      }
+    }
+    auto ait = anyRecvs_.end();
+    for (auto it = anyRecvs_.begin(); it != anyRecvs_.end(); ++it) {
+      if ((*it)->tag != f.tag) continue;
+      bool has = false;
+      for (int c : (*it)->anyOf) has |= (c == peer);
+      if (has) {
+        ait = it;
+        break;
+      }
+    }
+    if (pit != p.posted.end() && (ait == anyRecvs_.end() || (*pit)->order < (*ait)->order)) {
+      match = *pit;
+      p.posted.erase(pit);
+    } else if (ait != anyRecvs_.end()) {
+      match = *ait;
+      anyRecvs_.erase(ait);
+    }
+    if (!match) {
+      auto u = std::make_shared<Unexpected>();
+      u->tag = f.tag;
+      u->rts = (kind == kRts);
+      u->sendId = f.id;
+      u->nbytes = f.nbytes;
+      u->order = nextId_++;
+      if (kind == kEager) {
+        u->data.resize(f.nbytes);
+        u->complete = (f.nbytes == 0);
+        if (f.nbytes > 0) {
+          p.readingUnexpected = u;
+          p.target = u->data.data();
+          p.targetLen = f.nbytes;
+          p.inPayload = true;
+        }
+      }
+      p.unexpected.push_back(std::move(u));
+      return;
+    }
+    auto req = match->req;
+    if (f.nbytes != match->nbytes) {
+      std::string msg = "message from rank " + std::to_string(peer) + " has " + std::to_string(f.nbytes) +
+                        " bytes but the receive expects " + std::to_string(match->nbytes);
+      done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
+      if (kind == kEager) {
+        if (f.nbytes > 0) startDiscard(f.nbytes);
+      } else {
+        auto nack = std::make_unique<SendItem>();
+        nack->hdr.magicKind = kMagic << 8 | kNack;
+        nack->hdr.id = f.id;
+        nack->hdr.nbytes = match->nbytes;
+        pushSend(peer, std::move(nack), done);
+      }
+      return;
+    }
+    if (kind == kRts) {
+      uint64_t recvId = nextId_++;
+      p.activeRecvs.emplace(recvId, match);
+      auto cts = std::make_unique<SendItem>();
+      cts->hdr.magicKind = kMagic << 8 | kCts;
+      cts->hdr.id = f.id;
+      cts->hdr.tag = recvId;
+      pushSend(peer, std::move(cts), done);
+      return;
+    }
+    if (f.nbytes == 0) {
+      done.push_back([req, peer] { req->complete(peer); });
+      return;
+    }
+    p.readingFor = match;
+    p.target = match->data;
+    p.targetLen = f.nbytes;
+    p.inPayload = true;
+    return;
+  }
+  if (kind == kCts || kind == kNack) {
+    auto it = p.awaitingCts.find(f.id);
+    if (it == p.awaitingCts.end()) {
+      peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " answered an unknown send", done);
+      return;
+    }
+    auto pending = it->second;
+    p.awaitingCts.erase(it);
+    if (kind == kNack) {
+      std::string msg = "rank " + std::to_string(peer) + " expected " + std::to_string(f.nbytes) +
+                        " bytes for this message but it has " + std::to_string(pending.nbytes);
+      auto req = pending.req;
+      done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
+      return;
+    }
+    auto item = std::make_unique<SendItem>();
+    item->hdr.magicKind = kMagic << 8 | kData;
+    item->hdr.id = f.tag;  // the receiver's id for this transfer
+    item->hdr.nbytes = pending.nbytes;
+    item->data = pending.data;
+    item->nbytes = pending.nbytes;
+    item->req = pending.req;
+    pushSend(peer, std::move(item), done);
+    return;
+  }
+  if (kind == kData) {
+    auto it = p.activeRecvs.find(f.id);
+    if (it == p.activeRecvs.end() || it->second->nbytes != f.nbytes) {
+      peerFailedLocked(peer, "protocol error: unexpected data frame from rank " + std::to_string(peer), done);
+      return;
+    }
+    p.readingFor = it->second;
+    p.activeRecvs.erase(it);
+    p.target = p.readingFor->data;
+    p.targetLen = f.nbytes;
+    p.inPayload = true;
+    if (f.nbytes == 0) {
+      auto req = p.readingFor->req;
+      done.push_back([req, peer] { req->complete(peer); });
+      p.readingFor.reset();
+      p.inPayload = false;
+    }
+    return;
+  }
+  peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (unknown frame kind)", done);
+}
+
+// Called with mu_ held when a payload has fully arrived.
+void TcpTransport::finishRead(int peer, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  p.inPayload = false;
+  if (p.discarding) {
+    p.discarding = false;
+    return;
+  }
+  if (p.readingFor) {
+    auto req = p.readingFor->req;
+    done.push_back([req, peer] { req->complete(peer); });
+    p.readingFor.reset();
+    return;
+  }
+  if (p.readingUnexpected) {
+    auto u = std::move(p.readingUnexpected);
+    u->complete = true;
+    if (u->waiter) {
+      std::memcpy(u->waiter->data, u->data.data(), u->data.size());
+      auto req = u->waiter->req;
+      done.push_back([req, peer] { req->complete(peer); });
+      u->waiter.reset();
+    }
+  }
+}
+
+// Called with mu_ held, on the epoll thread (or in close() after it stopped).
+void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  if (p.dead) return;
+  p.dead = true;
+  p.deadReason = why;
+  if (p.fd >= 0) {
+    if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, p.fd, nullptr);
+    ::shutdown(p.fd, SHUT_RDWR);
+  }
+  auto failReq = [&](const RequestPtr& r) {
+    if (!r) return;
+    done.push_back([r, why, peer] { r->fail(CommErrorKind::PeerGone, why, peer); });
+  };
+  for (auto& it : p.sendq) failReq(it->req);
+  p.sendq.clear();
+  for (auto& kv : p.awaitingCts) failReq(kv.second.req);
+  p.awaitingCts.clear();
+  for (auto& pr : p.posted) failReq(pr->req);
+  p.posted.clear();
+  for (auto& kv : p.activeRecvs) failReq(kv.second->req);
+  p.activeRecvs.clear();
+  // Messages that arrived whole before the peer left are still good: a peer that finished
+  // its part of an op and exited must not make this rank lose what it sent. Only partial
+  // messages and announcements of data that can no longer come are dropped.
+  for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
+    if ((*it)->complete && !(*it)->rts) {
+      ++it;
+      continue;
+    }
+    if ((*it)->waiter) failReq((*it)->waiter->req);
+    it = p.unexpected.erase(it);
+  }
+  if (p.readingFor) failReq(p.readingFor->req);
+  if (p.readingUnexpected && p.readingUnexpected->waiter) failReq(p.readingUnexpected->waiter->req);
+  p.readingFor.reset();
+  p.readingUnexpected.reset();
+  p.inPayload = false;
+  p.wantOut = false;
+  // A receive-from-any fails only when none of its peers is left.
+  for (auto it = anyRecvs_.begin(); it != anyRecvs_.end();) {
+    bool alive = false;
+    for (int c : (*it)->anyOf) alive |= !peers_[c]->dead;
+    if (!alive) {
+      failReq((*it)->req);
+      it = anyRecvs_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void TcpTransport::close(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;
+    closed_ = true;
+    closeReason_ = reason;
+  }
+  stopping_.store(true, std::memory_order_release);
+  if (wakeFd_ >= 0) wake();
+  if (io_.joinable()) {
+    if (io_.get_id() == std::this_thread::get_id()) {
+      io_.detach();  // closed from a completion callback: the loop exits on its own
+    } else {
+      io_.join();
+    }
+  }
+  std::vector<std::function<void()>> done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (int r = 0; r < setup_.size; ++r) {
+      if (r == setup_.rank) continue;
+      auto& p = *peers_[r];
+      if (!p.dead) {
+        p.deadReason = reason;
+        // Aborted, not PeerGone: this side chose to stop.
+        peerFailedLocked(r, reason, done);
+      }
+      if (p.fd >= 0) {
+        ::close(p.fd);
+        p.fd = -1;
+      }
+    }
+    for (auto& pr : anyRecvs_) {
+      auto req = pr->req;
+      done.push_back([req, reason] { req->fail(CommErrorKind::Aborted, reason, -1); });
+    }
+    anyRecvs_.clear();
+  }
+  for (auto& f : done) f();
+  if (epfd_ >= 0) ::close(epfd_), epfd_ = -1;
+  if (wakeFd_ >= 0) ::close(wakeFd_), wakeFd_ = -1;
+}
+
+std::string TcpTransport::describePeer(int peer) const {
+  if (peer == setup_.rank) return "self";
+  std::lock_guard<std::mutex> lk(mu_);
+  const auto& p = *peers_[peer];
+  return "tcp " + (p.addr.empty() ? setup_.peerAddresses[peer] : p.addr) + (p.dead ? " (gone)" : "");
+}
+
+bool TcpTransport::cancel(const RequestPtr& req) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto drop = [&](std::deque<std::shared_ptr<PostedRecv>>& q) {
+    for (auto it = q.begin(); it != q.end(); ++it) {
+      if ((*it)->req == req) {
+        q.erase(it);
+        return true;
+      }
+    }
+    return false;
+  };
+  if (drop(anyRecvs_)) return true;
+  if (req->peer() >= 0 && req->peer() < setup_.size && req->peer() != setup_.rank) {
+    auto& p = *peers_[req->peer()];
+    if (drop(p.posted)) return true;
+    for (auto& u : p.unexpected)
+      if (u->waiter && u->waiter->req == req) return false;
+  }
+  return false;
+}
+
+std::vector<std::pair<int, uint64_t>> TcpTransport::unmatched() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<std::pair<int, uint64_t>> out;
+  for (int r = 0; r < setup_.size; ++r) {
+    if (r == setup_.rank) continue;
+    for (const auto& u : peers_[r]->unexpected) out.emplace_back(r, u->tag);
+  }
+  return out;
+}
+
+}  // namespace myccl::cpu

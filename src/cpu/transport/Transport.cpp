@@ -1,0 +1,75 @@
+// Request completion and waiting, shared by every transport.
+#include "myccl/cpu/transport/Transport.hpp"
+
+namespace myccl::cpu {
+
+void Request::wait(Deadline deadline) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!cv_.wait_until(lk, deadline, [&] { return done_; })) {
+    throw CommError(CommErrorKind::Timeout, "timed out", peer_);
+  }
+  if (failed_) throw CommError(kind_, error_, errorPeer_);
+}
+
+bool Request::test() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
+int Request::source() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return source_;
+}
+
+bool Request::complete(int source) {
+  std::function<void()> cb;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (done_) return false;
+    done_ = true;
+    source_ = source;
+    cb = std::move(callback_);
+  }
+  cv_.notify_all();
+  if (cb) cb();
+  return true;
+}
+
+bool Request::fail(CommErrorKind kind, const std::string& msg, int peer) {
+  std::function<void()> cb;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (done_) return false;
+    done_ = true;
+    failed_ = true;
+    kind_ = kind;
+    error_ = msg;
+    errorPeer_ = peer;
+    cb = std::move(callback_);
+  }
+  cv_.notify_all();
+  if (cb) cb();
+  return true;
+}
+
+void Request::onDone(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!done_) {
+      callback_ = std::move(fn);
+      return;
+    }
+  }
+  fn();
+}
+
+void Request::rethrow() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (failed_) throw CommError(kind_, error_, errorPeer_);
+}
+
+void waitAll(std::vector<RequestPtr>& reqs, Deadline deadline) {
+  for (auto& r : reqs) r->wait(deadline);
+}
+
+}  // namespace myccl::cpu
