@@ -1,0 +1,224 @@
+"""Multi-process test harness: a World is N real processes (spawned once, reused by many
+tests) that run a test function on every rank and send back each rank's result.
+
+Every call has a timeout: a hang kills the world and fails the test within seconds, and the
+next test gets a fresh world. A test function runs as fn(ctx, *args) where ctx carries the
+rank, the world size and helpers to create process groups on a store private to that call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+class RankError(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Ctx:
+    """What a test function sees on each rank."""
+
+    def __init__(self, rank: int, size: int, store_port: int, call_id: int):
+        self.rank = rank
+        self.size = size
+        self.store_port = store_port
+        self.call_id = call_id
+        self._store = None
+
+    def store(self, suffix: str = ""):
+        import torch.distributed as dist
+
+        if self._store is None:
+            self._store = dist.TCPStore(
+                "127.0.0.1", self.store_port, is_master=False, timeout=timedelta(seconds=60)
+            )
+        return dist.PrefixStore(f"call{self.call_id}/{suffix}", self._store)
+
+    def init(self, backend: str = "myccl", timeout: float = 60.0, **kwargs):
+        """init_process_group on a store private to this call."""
+        import torch.distributed as dist
+
+        import c10d_ext  # noqa: F401
+
+        dist.init_process_group(
+            backend,
+            store=self.store("default"),
+            rank=self.rank,
+            world_size=self.size,
+            timeout=timedelta(seconds=timeout),
+            **kwargs,
+        )
+        return dist.group.WORLD
+
+
+def _worker(rank: int, size: int, store_port: int, conn, env: dict) -> None:
+    os.environ.update(env)
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, HERE)
+    import torch  # noqa: F401 (import once, up front)
+    import torch.distributed as dist
+
+    import c10d_ext  # noqa: F401
+
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        call_id, module, name, args, call_env = msg
+        saved = {k: os.environ.get(k) for k in call_env}
+        os.environ.update(call_env)
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            result = fn(Ctx(rank, size, store_port, call_id), *args)
+            reply = ("ok", result)
+        except BaseException as e:  # noqa: BLE001 - report everything to the parent
+            reply = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001
+                    pass
+        try:
+            conn.send(reply)
+        except Exception as e:  # unpicklable result
+            conn.send(("err", f"result not picklable: {e}"))
+
+
+class World:
+    def __init__(self, size: int, env: dict | None = None):
+        import torch.distributed as dist
+
+        self.size = size
+        self.env = dict(env or {})
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store_port = self._store.port
+        ctx = mp.get_context("spawn")
+        self.conns = []
+        self.procs = []
+        for r in range(size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker, args=(r, size, self.store_port, child, self.env), daemon=True
+            )
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.calls = 0
+        self.broken = False
+
+    def alive(self) -> bool:
+        return not self.broken and all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 90.0, env: dict | None = None,
+            expect_dead: tuple[int, ...] = ()) -> list[Any]:
+        """Runs fn(ctx, *args) on every rank; returns the per-rank results.
+
+        Raises RankError with every failing rank's traceback, or TimeoutError (and kills the
+        world) if some rank does not answer within `timeout` seconds. Ranks in `expect_dead`
+        may die (fault-injection tests); their result is None.
+        """
+        self.calls += 1
+        msg = (self.calls, fn.__module__, fn.__name__, args, dict(env or {}))
+        for c in self.conns:
+            c.send(msg)
+        results: list[Any] = [None] * self.size
+        pending = set(range(self.size))
+        errors = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(
+                    f"{fn.__name__}: ranks {sorted(pending)} did not finish within {timeout} s "
+                    f"(finished: {sorted(set(range(self.size)) - pending)}); errors so far: {errors}"
+                )
+            for r in sorted(pending):
+                c = self.conns[r]
+                if c.poll(0.01):
+                    try:
+                        status, value = c.recv()
+                    except EOFError:
+                        status, value = "dead", None
+                    pending.discard(r)
+                    if status == "ok":
+                        results[r] = value
+                    elif status == "dead":
+                        if r not in expect_dead:
+                            errors.append(f"rank {r}: process died (exit code {self.procs[r].exitcode})")
+                        self.broken = True
+                    else:
+                        errors.append(f"rank {r}: {value}")
+                elif not self.procs[r].is_alive():
+                    pending.discard(r)
+                    self.broken = True
+                    if r not in expect_dead:
+                        errors.append(f"rank {r}: process died (exit code {self.procs[r].exitcode})")
+        if errors:
+            raise RankError("\n".join(errors))
+        return results
+
+    def kill(self) -> None:
+        self.broken = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+        self.kill()
+
+
+class WorldPool:
+    """Keeps one live World per size; replaces worlds that broke."""
+
+    def __init__(self):
+        self.worlds: dict[tuple, World] = {}
+
+    def get(self, size: int, env: dict | None = None) -> World:
+        key = (size, tuple(sorted((env or {}).items())))
+        w = self.worlds.get(key)
+        if w is None or not w.alive():
+            if w is not None:
+                w.kill()
+            w = World(size, env)
+            self.worlds[key] = w
+        return w
+
+    def close(self) -> None:
+        for w in self.worlds.values():
+            w.close()
+        self.worlds.clear()

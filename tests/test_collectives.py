@@ -1,0 +1,329 @@
+"""Every collective x reduce op x dtype x shape class at world sizes 1-4, each rank comparing
+its result with a local expectation (bit for bit where torch can compute it the same way).
+
+Shape classes: empty, 0-dim, small, 2-D, medium (takes the sliced path), large (many
+pipeline segments: the tests shrink the segment size), non-contiguous.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from expect import ALL_DTYPES, COMPLEX, REDOPS, exact, make, premul_factor, redop, reduce_all, same, valid
+
+SHAPES = {
+    "empty": (0,),
+    "scalar": (),
+    "small": (7,),
+    "2d": (5, 3),
+    "medium": (20000,),
+    "large": (150001,),
+    "noncontig": "T",
+}
+LARGE_DTYPES = {torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.complex64}
+WORLD_SIZES = [1, 2, 3, 4]
+CHUNK = 64 * 1024  # small pipeline segments so "large" really is multi-segment
+
+
+def _init(ctx):
+    import c10d_ext
+
+    ctx.init(pg_options=c10d_ext.Options(tcp_chunk_bytes=CHUNK))
+
+
+def _inputs(ctx, shape_name, dtype, seed):
+    shape = SHAPES[shape_name]
+    if shape == "T":
+        xs = [make(r, (6, 8), dtype, seed).t() for r in range(ctx.size)]
+    else:
+        xs = [make(r, shape, dtype, seed) for r in range(ctx.size)]
+    return xs
+
+
+def _cases(dtypes=ALL_DTYPES, shapes=SHAPES):
+    for dtype in dtypes:
+        for shape_name in shapes:
+            if shape_name == "large" and dtype not in LARGE_DTYPES:
+                continue
+            yield dtype, shape_name
+
+
+class Report:
+    def __init__(self, ctx):
+        self.rank = ctx.rank
+        self.checks = 0
+        self.failures: list[str] = []
+
+    def check(self, ok: bool, what: str):
+        self.checks += 1
+        if not ok:
+            self.failures.append(f"rank {self.rank}: {what}")
+
+    def expect_value_error(self, fn, what: str):
+        self.checks += 1
+        try:
+            fn()
+        except ValueError as e:
+            if "myccl" not in str(e) and "does not support" not in str(e):
+                self.failures.append(f"rank {self.rank}: {what}: error does not name myccl: {e}")
+            return
+        except Exception as e:  # noqa: BLE001
+            self.failures.append(f"rank {self.rank}: {what}: expected ValueError, got {type(e).__name__}: {e}")
+            return
+        self.failures.append(f"rank {self.rank}: {what}: expected ValueError, nothing raised")
+
+    def result(self):
+        return self.checks, self.failures
+
+
+# ---- per-rank bodies -----------------------------------------------------------------------
+
+def body_all_reduce(ctx):
+    _init(ctx)
+    rep = Report(ctx)
+    seed = 0
+    for dtype, shape_name in _cases():
+        for op in REDOPS:
+            seed += 1
+            xs = _inputs(ctx, shape_name, dtype, seed)
+            t = xs[ctx.rank].clone()
+            what = f"all_reduce {op} {dtype} {shape_name}"
+            # torch's own all_reduce refuses these for complex tensors before any backend runs
+            torch_rejects = dtype in COMPLEX and op in ("PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+            if not valid(op, dtype) or torch_rejects:
+                rep.expect_value_error(lambda: dist.all_reduce(t, op=redop(op, ctx.rank)), what)
+                continue
+            dist.all_reduce(t, op=redop(op, ctx.rank))
+            rep.check(same(t, reduce_all(xs, op), exact(op, dtype)), what)
+            rep.check(t.stride() == xs[ctx.rank].stride(), what + " (strides kept)")
+    # async + wait + future
+    t = torch.ones(1000) * (ctx.rank + 1)
+    w = dist.all_reduce(t, async_op=True)
+    fut = w.get_future()
+    w.wait()
+    rep.check(w.is_completed() and w.is_success(), "async all_reduce completed")
+    rep.check(torch.equal(fut.value()[0], torch.full((1000,), float(sum(range(1, ctx.size + 1))))), "future value")
+    return rep.result()
+
+
+def body_reduce(ctx):
+    _init(ctx)
+    rep = Report(ctx)
+    seed = 100
+    for root in range(ctx.size):
+        for dtype, shape_name in _cases(shapes=["scalar", "small", "medium", "large", "noncontig", "empty"]):
+            for op in REDOPS:
+                if not valid(op, dtype):
+                    continue
+                seed += 1
+                xs = _inputs(ctx, shape_name, dtype, seed)
+                t = xs[ctx.rank].clone()
+                dist.reduce(t, dst=root, op=redop(op, ctx.rank))
+                what = f"reduce root={root} {op} {dtype} {shape_name}"
+                if ctx.rank == root:
+                    rep.check(same(t, reduce_all(xs, op), exact(op, dtype)), what)
+                else:
+                    rep.check(torch.equal(t, xs[ctx.rank]), what + " (non-root input untouched)")
+    return rep.result()
+
+
+def body_broadcast(ctx):
+    _init(ctx)
+    rep = Report(ctx)
+    for root in range(ctx.size):
+        for dtype, shape_name in _cases():
+            xs = _inputs(ctx, shape_name, dtype, root + 7)
+            t = xs[ctx.rank].clone()
+            dist.broadcast(t, src=root)
+            rep.check(torch.equal(t, xs[root]), f"broadcast root={root} {dtype} {shape_name}")
+    # Large enough for the scatter+all-gather path at 4 ranks.
+    big = make(ctx.rank, (400_000,), torch.float32, 3)
+    dist.broadcast(big, src=ctx.size - 1)
+    rep.check(torch.equal(big, make(ctx.size - 1, (400_000,), torch.float32, 3)), "broadcast 1.6 MB")
+    return rep.result()
+
+
+def body_all_gather(ctx):
+    _init(ctx)
+    rep = Report(ctx)
+    n = ctx.size
+    for dtype, shape_name in _cases():
+        xs = _inputs(ctx, shape_name, dtype, 11)
+        outs = [torch.empty_like(xs[r]) for r in range(n)]
+        dist.all_gather(outs, xs[ctx.rank])
+        rep.check(all(torch.equal(outs[r], xs[r]) for r in range(n)), f"all_gather {dtype} {shape_name}")
+        # into one tensor, concatenated along dim 0 and stacked
+        x = xs[ctx.rank]
+        if x.dim() >= 1:
+            cat = torch.empty((x.shape[0] * n, *x.shape[1:]), dtype=dtype)
+            dist.all_gather_into_tensor(cat, x.contiguous())
+            rep.check(torch.equal(cat, torch.cat(xs)), f"all_gather_into_tensor cat {dtype} {shape_name}")
+        stk = torch.empty((n, *x.shape), dtype=dtype)
+        dist.all_gather_into_tensor(stk, x)
+        rep.check(torch.equal(stk, torch.stack(xs)), f"all_gather_into_tensor stack {dtype} {shape_name}")
+    # uneven blocks
+    outs = [torch.empty(r + 1) for r in range(n)]
+    dist.all_gather(outs, torch.full((ctx.rank + 1,), float(ctx.rank)))
+    rep.check(all(torch.equal(outs[r], torch.full((r + 1,), float(r))) for r in range(n)), "all_gather uneven")
+    # non-contiguous outputs
+    base = torch.zeros(4, n * 3)
+    outs = [base[:, r * 3:(r + 1) * 3] for r in range(n)]
+    x = make(ctx.rank, (4, 3), torch.float32, 5)
+    dist.all_gather(outs, x)
+    rep.check(torch.equal(base, torch.cat([make(r, (4, 3), torch.float32, 5) for r in range(n)], dim=1)),
+              "all_gather into column views")
+    # output tensor non-contiguous
+    out_t = torch.zeros(3, n * 2).t()  # (n*2, 3), non-contiguous
+    dist.all_gather_into_tensor(out_t, make(ctx.rank, (2, 3), torch.float32, 6))
+    rep.check(torch.equal(out_t, torch.cat([make(r, (2, 3), torch.float32, 6) for r in range(n)])),
+              "all_gather_into_tensor non-contiguous output")
+    # coalesced (deprecated list API) and the coalescing manager fast path
+    ins = [make(ctx.rank, (3,), torch.float32, 8), make(ctx.rank, (2, 2), torch.float32, 9)]
+    out_lists = [[torch.empty(3), torch.empty(2, 2)] for _ in range(n)]
+    dist.all_gather_coalesced(out_lists, ins)
+    rep.check(all(torch.equal(out_lists[r][0], make(r, (3,), torch.float32, 8)) and
+                  torch.equal(out_lists[r][1], make(r, (2, 2), torch.float32, 9)) for r in range(n)),
+              "all_gather_coalesced")
+    outs = [torch.empty(n * 5), torch.empty(n * 2, dtype=torch.float64)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_gather_into_tensor(outs[0], make(ctx.rank, (5,), torch.float32, 12))
+        dist.all_gather_into_tensor(outs[1], make(ctx.rank, (2,), torch.float64, 13))
+    cm.wait()
+    rep.check(torch.equal(outs[0], torch.cat([make(r, (5,), torch.float32, 12) for r in range(n)])) and
+              torch.equal(outs[1], torch.cat([make(r, (2,), torch.float64, 13) for r in range(n)])),
+              "all_gather_into_tensor coalesced")
+    return rep.result()
+
+
+def body_gather_scatter(ctx):
+    _init(ctx)
+    rep = Report(ctx)
+    n = ctx.size
+    for root in range(n):
+        for dtype, shape_name in _cases(shapes=["scalar", "small", "medium", "noncontig", "empty"]):
+            xs = _inputs(ctx, shape_name, dtype, 21 + root)
+            outs = [torch.empty_like(xs[r]) for r in range(n)] if ctx.rank == root else None
+            dist.gather(xs[ctx.rank], gather_list=outs, dst=root)
+            if ctx.rank == root:
+                rep.check(all(torch.equal(outs[r], xs[r]) for r in range(n)), f"gather root={root} {dtype} {shape_name}")
+            out = torch.empty_like(xs[ctx.rank])
+            dist.scatter(out, scatter_list=[x.clone() for x in xs] if ctx.rank == root else None, src=root)
+            rep.check(torch.equal(out, xs[ctx.rank]), f"scatter root={root} {dtype} {shape_name}")
+    return rep.result()
+
+
+def body_reduce_scatter(ctx):
+    _init(ctx)
+    rep = Report(ctx)
+    n = ctx.size
+    seed = 300
+    for dtype, shape_name in _cases(shapes=["scalar", "small", "medium", "large", "noncontig", "empty"]):
+        for op in REDOPS:
+            if not valid(op, dtype):
+                continue
+            seed += 1
+            # list form: block r of every rank's input goes to rank r
+            blocks = [[make(src * 100 + r, SHAPES[shape_name] if SHAPES[shape_name] != "T" else (3, 2), dtype, seed)
+                       for r in range(n)] for src in range(n)]
+            if SHAPES[shape_name] == "T":
+                blocks = [[b.t() for b in row] for row in blocks]
+            out = torch.empty_like(blocks[ctx.rank][ctx.rank])
+            dist.reduce_scatter(out, [b.clone() for b in blocks[ctx.rank]], op=redop(op, ctx.rank))
+            want = reduce_all([blocks[src][ctx.rank] for src in range(n)], op)
+            rep.check(same(out, want, exact(op, dtype)), f"reduce_scatter {op} {dtype} {shape_name}")
+            # tensor form
+            if SHAPES[shape_name] not in ((), "T"):
+                flat = torch.cat([b.reshape(-1) for b in blocks[ctx.rank]])
+                out2 = torch.empty(blocks[ctx.rank][0].numel(), dtype=dtype)
+                dist.reduce_scatter_tensor(out2, flat, op=redop(op, ctx.rank))
+                rep.check(same(out2, want.reshape(-1), exact(op, dtype)), f"reduce_scatter_tensor {op} {dtype} {shape_name}")
+    # coalescing manager fast path
+    ins = [make(ctx.rank, (n * 4,), torch.float32, 31), make(ctx.rank, (n * 3,), torch.float32, 32)]
+    outs = [torch.empty(4), torch.empty(3)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.reduce_scatter_tensor(outs[0], ins[0])
+        dist.reduce_scatter_tensor(outs[1], ins[1])
+    cm.wait()
+    w0 = reduce_all([make(r, (n * 4,), torch.float32, 31) for r in range(n)], "SUM")[ctx.rank * 4:(ctx.rank + 1) * 4]
+    w1 = reduce_all([make(r, (n * 3,), torch.float32, 32) for r in range(n)], "SUM")[ctx.rank * 3:(ctx.rank + 1) * 3]
+    rep.check(torch.equal(outs[0], w0) and torch.equal(outs[1], w1), "reduce_scatter_tensor coalesced")
+    return rep.result()
+
+
+def body_all_to_all(ctx):
+    _init(ctx)
+    rep = Report(ctx)
+    n = ctx.size
+    for dtype, shape_name in _cases(shapes=["small", "medium", "2d", "empty"]):
+        shape = SHAPES[shape_name]
+        rows = shape[0]
+        # even: every rank sends rows blocks of `rows` rows
+        xs = [make(r, (rows * n, *shape[1:]), dtype, 41) for r in range(n)]
+        out = torch.empty_like(xs[ctx.rank])
+        dist.all_to_all_single(out, xs[ctx.rank])
+        want = torch.cat([xs[src][ctx.rank * rows:(ctx.rank + 1) * rows] for src in range(n)])
+        rep.check(torch.equal(out, want), f"all_to_all_single {dtype} {shape_name}")
+        # list form
+        ins = list(xs[ctx.rank].split(rows)) if rows else [torch.empty(0, *shape[1:], dtype=dtype) for _ in range(n)]
+        outs = [torch.empty_like(i) for i in ins]
+        dist.all_to_all(outs, [i.clone() for i in ins])
+        rep.check(torch.equal(torch.cat(outs), want), f"all_to_all {dtype} {shape_name}")
+    # uneven splits: rank s sends (s + d + 1) rows to rank d
+    def split(s, d):
+        return s + d + 1
+    xs = [make(s, (sum(split(s, d) for d in range(n)), 3), torch.float32, 43) for s in range(n)]
+    in_splits = [split(ctx.rank, d) for d in range(n)]
+    out_splits = [split(s, ctx.rank) for s in range(n)]
+    out = torch.empty(sum(out_splits), 3)
+    dist.all_to_all_single(out, xs[ctx.rank], out_splits, in_splits)
+    want = []
+    for s in range(n):
+        off = sum(split(s, d) for d in range(ctx.rank))
+        want.append(xs[s][off:off + split(s, ctx.rank)])
+    rep.check(torch.equal(out, torch.cat(want)), "all_to_all_single uneven splits")
+    return rep.result()
+
+
+def body_coalesced_and_barrier(ctx):
+    _init(ctx)
+    rep = Report(ctx)
+    n = ctx.size
+    ts = [make(ctx.rank, (5,), torch.float32, 51), make(ctx.rank, (3, 2), torch.float32, 52),
+          make(ctx.rank, (0,), torch.float32, 53)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t)
+    cm.wait()
+    for i, shape in enumerate([(5,), (3, 2), (0,)]):
+        rep.check(torch.equal(ts[i], reduce_all([make(r, shape, torch.float32, 51 + i) for r in range(n)], "SUM")),
+                  f"coalesced all_reduce tensor {i}")
+    ts = [make(ctx.rank, (4,), torch.int64, 61), make(ctx.rank, (2,), torch.int64, 62)]
+    dist.all_reduce_coalesced(ts, op=dist.ReduceOp.MAX)
+    rep.check(torch.equal(ts[0], reduce_all([make(r, (4,), torch.int64, 61) for r in range(n)], "MAX")) and
+              torch.equal(ts[1], reduce_all([make(r, (2,), torch.int64, 62) for r in range(n)], "MAX")),
+              "all_reduce_coalesced MAX int64")
+    for _ in range(5):
+        dist.barrier()
+    w = dist.barrier(async_op=True)
+    w.wait()
+    rep.check(w.is_completed(), "async barrier")
+    rep.check(dist.get_backend() == "myccl", "get_backend")
+    seq = dist.group.WORLD._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+    rep.check(seq > 0, f"sequence number advanced ({seq})")
+    return rep.result()
+
+
+BODIES = [body_all_reduce, body_reduce, body_broadcast, body_all_gather, body_gather_scatter,
+          body_reduce_scatter, body_all_to_all, body_coalesced_and_barrier]
+
+
+@pytest.mark.parametrize("size", WORLD_SIZES)
+@pytest.mark.parametrize("body", BODIES, ids=[b.__name__[5:] for b in BODIES])
+def test_collective_matrix(run, size, body):
+    results = run(size, body, timeout=240)
+    failures = [f for _, fails in results for f in fails]
+    checks = sum(c for c, _ in results)
+    assert checks > 0
+    assert not failures, f"{len(failures)} of {checks} checks failed:\n" + "\n".join(failures[:40])
