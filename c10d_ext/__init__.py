@@ -49,3 +49,46 @@ def build_info() -> dict:
 
 
 __all__ = ["BACKEND_NAME", "Options", "build_info"]
+
+
+def _myccl_backend(group=None):
+    g = group if group is not None else dist.group.WORLD
+    if g is None:
+        raise RuntimeError("myccl: no process group: call dist.init_process_group('myccl') first")
+    be = g._get_backend(torch.device("cpu"))
+    if not isinstance(be, _C.MycclBackend):
+        raise ValueError(f"myccl: group {g} does not use the myccl backend (it uses {type(be).__name__})")
+    return be
+
+
+def stats(group=None) -> dict:
+    """Per op and algorithm: count, bytes and cumulative seconds of the ops run on `group`
+    (default: the world). Keys are "op/algorithm"."""
+    out = {}
+    for op, algo, count, nbytes, seconds in _myccl_backend(group).stats():
+        out[f"{op}/{algo}"] = {"op": op, "algorithm": algo, "count": count, "bytes": nbytes, "seconds": seconds}
+    return out
+
+
+def reset_stats(group=None) -> None:
+    _myccl_backend(group).reset_stats()
+
+
+__all__ += ["stats", "reset_stats"]
+
+
+def shared_tensor(shape, dtype: torch.dtype = torch.float32, group=None) -> torch.Tensor:
+    """A CPU tensor held once per host and mapped by every rank of `group` on that host.
+
+    Collective: every rank of the group calls it, in the same order as its other
+    shared_tensor calls. The tensor starts zero-filled; a write by one rank is visible to the
+    other ranks of its host after a barrier (ranks on other hosts have their own copy). Good
+    for large read-mostly data (embedding tables, datasets) that would otherwise be loaded
+    once per rank.
+    """
+    if isinstance(shape, int):
+        shape = [shape]
+    return _myccl_backend(group).shared_tensor(list(shape), dtype)
+
+
+__all__ += ["shared_tensor"]

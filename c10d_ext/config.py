@@ -94,6 +94,8 @@ VARS: list[Var] = [
         "TCP messages up to this size are sent at once; larger ones wait until the receiver is ready"),
     Var("MYCCL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", _bytes, 4 * 1024 * 1024,
         "segment size for pipelined TCP algorithms"),
+    Var("MYCCL_SHM_BUFFER_BYTES", "shm_buffer_bytes", _bytes, 1 << 20,
+        "size of each of the two shared-memory staging buffers per rank (the pipeline chunk)"),
     Var("MYCCL_SPIN_US", "spin_us", _int(-1), -1,
         "how long a waiting thread spins before sleeping, in microseconds (-1: adapt to ranks per core)"),
     Var("MYCCL_BLOCKING_WAIT", "blocking_wait", _bool, False,

@@ -6,12 +6,15 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 
+#include <sys/mman.h>
+
 #include <numeric>
 #include <sstream>
 
 #include "myccl/Errors.hpp"
 #include "myccl/cpu/Engine.hpp"
 #include "myccl/cpu/transport/Net.hpp"
+#include "myccl/cpu/transport/Shm.hpp"
 #include "myccl/cpu/transport/Tcp.hpp"
 #ifdef MYCCL_WITH_NCCL
 #include "myccl/cuda/NcclEngine.hpp"
@@ -86,10 +89,8 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   // previous group's addresses or secret.
   const int64_t ticket = store_->add("myccl/incarnation", 1);
   const std::string prefix = "myccl/" + std::to_string((ticket - 1) / size) + "/";
+  keyPrefix_ = prefix;
   topo_ = Topology::exchange(*store_, prefix, rank, size, cpu::hostIdentity(cfg_.hostId));
-  MYCCL_CHECK_ARG(cfg_.transport == "auto" || cfg_.transport == "tcp",
-                  "init (rank ", rank, "): MYCCL_TRANSPORT='", cfg_.transport,
-                  "' is not available in this build (use auto or tcp)");
 
   // The group's secret: every connection must present it before any data is accepted.
   std::string token;
@@ -111,7 +112,26 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
                           ? "127.0.0.1"
                           : cpu::chooseListenAddress(cfg_.socketIfname, cfg_.masterAddr);
   auto transport = std::make_shared<cpu::TcpTransport>(*store_, prefix + "tcp/", setup, token);
-  cpu_ = std::make_unique<cpu::CpuEngine>(std::move(transport), rank, size, group_, cfg_);
+  std::shared_ptr<cpu::ShmGroup> shm;
+  if (size > 1 && topo_.singleHost() && cfg_.transport != "tcp") {
+    cpu::ShmGroup::Options so;
+    so.rank = topo_.localRank;
+    so.groupRanks = topo_.localRanks;
+    so.stagingBytes = static_cast<size_t>(cfg_.shmBufferBytes);
+    so.spinUs = cfg_.spinUs;
+    so.timeout = timeout;
+    try {
+      shm = std::make_shared<cpu::ShmGroup>(*store_, prefix, so);
+    } catch (const cpu::ShmUnavailable& e) {
+      MYCCL_CHECK(cfg_.transport != "shm", "init (rank ", rank, "): MYCCL_TRANSPORT=shm but shared memory is unavailable: ",
+                  e.what());
+      TORCH_WARN_ONCE("myccl: shared memory unavailable (", e.what(), "); using TCP between local ranks");
+    }
+  } else {
+    MYCCL_CHECK_ARG(cfg_.transport != "shm" || size == 1, "init (rank ", rank,
+                    "): MYCCL_TRANSPORT=shm but the group spans ", topo_.crossSize, " hosts");
+  }
+  cpu_ = std::make_unique<cpu::CpuEngine>(std::move(transport), std::move(shm), rank, size, group_, cfg_);
   init();
 }
 
@@ -136,8 +156,9 @@ std::string MycclBackend::where(const char* op) const {
   return std::string(op) + " (rank " + std::to_string(rank_) + ")";
 }
 
-OpInfo MycclBackend::info(OpType type, const char* op, std::chrono::milliseconds timeout, bool p2p) {
+OpInfo MycclBackend::info(OpType type, const char* op, std::chrono::milliseconds timeout, bool asyncOp, bool p2p) {
   OpInfo i;
+  i.asyncOp = asyncOp;
   i.type = type;
   i.op = op;
   i.seq = p2p ? p2pSeq_.fetch_add(1) : collSeq_.fetch_add(1) + 1;
@@ -175,6 +196,56 @@ bool MycclBackend::isCuda(const char* op, const std::vector<at::Tensor>& tensors
                   ") but this myccl build has no NCCL engine; rebuild with MYCCL_WITH_NCCL=1 against a CUDA build "
                   "of torch");
 #endif
+}
+
+at::Tensor MycclBackend::allocateTensor(long size, at::TensorOptions options) {
+  MYCCL_CHECK_ARG(size >= 0, where("allocate_tensor"), ": size must be >= 0, got ", size);
+  MYCCL_CHECK_ARG(!options.has_device() || options.device().is_cpu(), where("allocate_tensor"),
+                  ": only CPU tensors come from myccl's shared memory, got device ", options.device());
+  return cpu_->allocateTensor(size, options);
+}
+
+at::Tensor MycclBackend::sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  const auto w = where("shared_tensor");
+  int64_t numel = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    MYCCL_CHECK_ARG(shape[i] >= 0, w, ": dimension ", i, " is negative (", shape[i], ")");
+    numel *= shape[i];
+  }
+  const size_t nbytes = std::max<size_t>(64, static_cast<size_t>(numel) * c10::elementSize(dtype));
+  // Every rank calls this in the same order, so the counter names the same tensor everywhere.
+  const std::string key = keyPrefix_ + "shared/" + std::to_string(++sharedCount_) + "/host" +
+                          std::to_string(topo_.crossRank);
+  std::shared_ptr<cpu::ShmSegment> seg;
+  if (topo_.localRank == 0) {
+    seg = cpu::ShmSegment::create(nbytes);
+    store_->set(key, std::vector<uint8_t>(seg->name().begin(), seg->name().end()));
+  } else {
+    auto v = store_->get(key);
+    seg = cpu::ShmSegment::open(std::string(v.begin(), v.end()), nbytes);
+  }
+  // The last local rank to map it removes the name: nothing is left in /dev/shm.
+  if (store_->add(key + "/mapped", 1) == topo_.localSize) shm_unlink(seg->name().c_str());
+  return at::from_blob(seg->data(), shape, [seg](void*) {}, at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+bool MycclBackend::supportsTensorAlloc(c10::DeviceIndex deviceIdx) {
+  // CPU (no device index): registered shared memory when the group uses it.
+  return deviceIdx < 0 && usesSharedMemory();
+}
+
+std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> MycclBackend::stats() const {
+  std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> out;
+  for (auto& e : cpu_->stats().snapshot()) out.emplace_back(e.op, e.algo, e.count, e.bytes, e.seconds);
+  return out;
+}
+
+void MycclBackend::resetStats() {
+  cpu_->stats().reset();
+}
+
+bool MycclBackend::usesSharedMemory() const {
+  return cpu_ && cpu_->usesSharedMemory();
 }
 
 bool MycclBackend::ncclBuilt() const {
@@ -299,7 +370,7 @@ WorkRef MycclBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::Br
   checkRoot(w, opts.rootRank, size_);
   MYCCL_CHECK_ARG(opts.rootTensor == 0, w, ": rootTensor must be 0, got ", opts.rootTensor);
   checkWritable(w, t, "tensor");
-  auto i = info(OpType::BROADCAST, "broadcast", opts.timeout);
+  auto i = info(OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("broadcast").broadcast(std::move(i), t, opts.rootRank, opts.asyncOp));
 #endif
@@ -313,7 +384,7 @@ WorkRef MycclBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::Al
   [[maybe_unused]] const bool cuda = isCuda("all_reduce", tensors);
   checkWritable(w, tensors[0], "tensor");
   auto red = reduction("all_reduce", tensors[0], opts.reduceOp);
-  auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout);
+  auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_reduce").allreduce(std::move(i), tensors, red, opts.asyncOp));
 #endif
@@ -334,7 +405,7 @@ WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c
   at::Tensor myCount = at::tensor({nnz}, at::kLong);
   std::vector<at::Tensor> counts;
   for (int r = 0; r < size_; ++r) counts.push_back(at::empty({1}, at::kLong));
-  auto ci = info(OpType::_ALLREDUCE_SPARSE, "all_reduce(sparse):sizes", opts.timeout);
+  auto ci = info(OpType::_ALLREDUCE_SPARSE, "all_reduce(sparse):sizes", opts.timeout, opts.asyncOp);
   auto cw = cpu_->allgather(std::move(ci), {myCount}, {counts});
   cw->wait();
   std::vector<at::Tensor> idxOut, valOut;
@@ -350,7 +421,7 @@ WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c
   // Indices travel transposed so that each rank's block is one contiguous run of rows.
   std::vector<at::Tensor> idxRows;
   for (auto& x : idxOut) idxRows.push_back(at::empty({x.size(1), x.size(0)}, x.options()));
-  auto gi = info(OpType::_ALLREDUCE_SPARSE, "all_reduce(sparse)", opts.timeout);
+  auto gi = info(OpType::_ALLREDUCE_SPARSE, "all_reduce(sparse)", opts.timeout, opts.asyncOp);
   auto gw = cpu_->allgather(std::move(gi), {indices.t().contiguous(), values}, {idxRows, valOut});
   gw->wait();
   std::vector<at::Tensor> idxCols;
@@ -370,7 +441,7 @@ WorkRef MycclBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors, cons
     checkWritable(w, tensors[k], "tensor");
   }
   auto red = reduction("all_reduce_coalesced", tensors[0], opts.reduceOp);
-  auto i = info(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", opts.timeout);
+  auto i = info(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_reduce_coalesced").allreduce(std::move(i), tensors, red, opts.asyncOp));
 #endif
@@ -385,7 +456,7 @@ WorkRef MycclBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::Reduc
   MYCCL_CHECK_ARG(opts.rootTensor == 0, w, ": rootTensor must be 0, got ", opts.rootTensor);
   if (rank_ == opts.rootRank) checkWritable(w, t, "tensor");
   auto red = reduction("reduce", t, opts.reduceOp);
-  auto i = info(OpType::REDUCE, "reduce", opts.timeout);
+  auto i = info(OpType::REDUCE, "reduce", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("reduce").reduce(std::move(i), t, red, opts.rootRank, opts.asyncOp));
 #endif
@@ -409,7 +480,7 @@ WorkRef MycclBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, s
   }
   MYCCL_CHECK_ARG(outs[rank_].numel() == in.numel(), w, ": output ", rank_, " (this rank's block) has ",
                   outs[rank_].numel(), " elements but the input has ", in.numel());
-  auto i = info(OpType::ALLGATHER, "all_gather", opts.timeout);
+  auto i = info(OpType::ALLGATHER, "all_gather", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_gather").allgather(std::move(i), {in}, {outs}, opts.asyncOp));
 #endif
@@ -425,7 +496,7 @@ WorkRef MycclBackend::_allgather_base(at::Tensor& output, at::Tensor& input, con
                   " elements but must have input numel ", input.numel(), " x group size ", size_, " = ",
                   input.numel() * size_);
   auto outs = blocks(w, output, size_, input.numel(), "output");
-  auto i = info(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", opts.timeout);
+  auto i = info(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_gather_into_tensor").allgather(std::move(i), {input}, {outs}, opts.asyncOp));
 #endif
@@ -457,7 +528,7 @@ WorkRef MycclBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& 
     MYCCL_CHECK_ARG(per[k][rank_].numel() == inputs[k].numel(), w, ": output ", rank_, "/", k, " has ",
                     per[k][rank_].numel(), " elements but input ", k, " has ", inputs[k].numel());
   }
-  auto i = info(OpType::ALLGATHER_COALESCED, "all_gather_coalesced", opts.timeout);
+  auto i = info(OpType::ALLGATHER_COALESCED, "all_gather_coalesced", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_gather_coalesced").allgather(std::move(i), inputs, per, opts.asyncOp));
 #endif
@@ -480,7 +551,7 @@ WorkRef MycclBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& o
                     " elements but must have ", inputs[k].numel() * size_);
     per.push_back(blocks(w, outputs[k], size_, inputs[k].numel(), "output"));
   }
-  auto i = info(OpType::ALLGATHER_INTO_TENSOR_COALESCED, "all_gather_into_tensor_coalesced", opts.timeout);
+  auto i = info(OpType::ALLGATHER_INTO_TENSOR_COALESCED, "all_gather_into_tensor_coalesced", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_gather_into_tensor_coalesced").allgather(std::move(i), inputs, per, opts.asyncOp));
 #endif
@@ -511,7 +582,7 @@ WorkRef MycclBackend::gather(std::vector<std::vector<at::Tensor>>& outputs, std:
                     ": only the root (rank ", opts.rootRank, ") may pass output tensors");
   }
   [[maybe_unused]] const bool cuda = isCuda("gather", all);
-  auto i = info(OpType::GATHER, "gather", opts.timeout);
+  auto i = info(OpType::GATHER, "gather", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("gather").gather(std::move(i), in, outs, opts.rootRank, opts.asyncOp));
 #endif
@@ -540,7 +611,7 @@ WorkRef MycclBackend::scatter(std::vector<at::Tensor>& outputs, std::vector<std:
                     ": only the root (rank ", opts.rootRank, ") may pass input tensors");
   }
   [[maybe_unused]] const bool cuda = isCuda("scatter", all);
-  auto i = info(OpType::SCATTER, "scatter", opts.timeout);
+  auto i = info(OpType::SCATTER, "scatter", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("scatter").scatter(std::move(i), ins, out, opts.rootRank, opts.asyncOp));
 #endif
@@ -563,7 +634,7 @@ WorkRef MycclBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vect
   MYCCL_CHECK_ARG(ins[rank_].numel() == out.numel(), w, ": input ", rank_, " has ", ins[rank_].numel(),
                   " elements but the output has ", out.numel());
   auto red = reduction("reduce_scatter", out, opts.reduceOp);
-  auto i = info(OpType::REDUCE_SCATTER, "reduce_scatter", opts.timeout);
+  auto i = info(OpType::REDUCE_SCATTER, "reduce_scatter", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("reduce_scatter").reduceScatter(std::move(i), {ins}, {out}, red, opts.asyncOp));
 #endif
@@ -581,7 +652,7 @@ WorkRef MycclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input
                   output.numel() * size_);
   auto red = reduction("reduce_scatter_tensor", output, opts.reduceOp);
   auto ins = blocks(w, input, size_, output.numel(), "input");
-  auto i = info(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", opts.timeout);
+  auto i = info(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("reduce_scatter_tensor").reduceScatter(std::move(i), {ins}, {output}, red, opts.asyncOp));
 #endif
@@ -606,7 +677,7 @@ WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& o
     per.push_back(blocks(w, inputs[k], size_, outputs[k].numel(), "input"));
   }
   auto red = reduction("reduce_scatter_tensor_coalesced", outputs[0], opts.reduceOp);
-  auto i = info(OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced", opts.timeout);
+  auto i = info(OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda)
     return record(nccl("reduce_scatter_tensor_coalesced").reduceScatter(std::move(i), per, outputs, red, opts.asyncOp));
@@ -651,7 +722,7 @@ WorkRef MycclBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::
   auto outs = splitsFor(output, outputSplits, "output");
   MYCCL_CHECK_ARG(ins[rank_].numel() == outs[rank_].numel(), w, ": this rank sends ", ins[rank_].numel(),
                   " elements to itself but expects ", outs[rank_].numel());
-  auto i = info(OpType::ALLTOALL_BASE, "all_to_all_single", opts.timeout);
+  auto i = info(OpType::ALLTOALL_BASE, "all_to_all_single", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_to_all_single").alltoall(std::move(i), ins, outs, opts.asyncOp));
 #endif
@@ -673,7 +744,7 @@ WorkRef MycclBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at:
   }
   MYCCL_CHECK_ARG(inputs[rank_].numel() == outputs[rank_].numel(), w, ": this rank sends ", inputs[rank_].numel(),
                   " elements to itself but expects ", outputs[rank_].numel());
-  auto i = info(OpType::ALLTOALL, "all_to_all", opts.timeout);
+  auto i = info(OpType::ALLTOALL, "all_to_all", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_to_all").alltoall(std::move(i), inputs, outputs, opts.asyncOp));
 #endif
@@ -681,7 +752,7 @@ WorkRef MycclBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at:
 }
 
 WorkRef MycclBackend::barrier(const c10d::BarrierOptions& opts) {
-  auto i = info(OpType::BARRIER, "barrier", opts.timeout);
+  auto i = info(OpType::BARRIER, "barrier", opts.timeout, opts.asyncOp);
 #ifdef MYCCL_WITH_NCCL
   // With an accelerator device the barrier must also order the device's streams.
   if (opts.device.has_value() && opts.device->is_cuda()) return record(nccl("barrier").barrier(std::move(i), *opts.device));
@@ -696,7 +767,7 @@ WorkRef MycclBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int ta
   const at::Tensor& t = single(w, tensors);
   [[maybe_unused]] const bool cuda = isCuda("send", tensors);
   checkPeer(w, dstRank, rank_, size_);
-  auto i = info(OpType::SEND, "send", c10d::kUnsetTimeout, true);
+  auto i = info(OpType::SEND, "send", c10d::kUnsetTimeout, true, true);
   i.op = "send to " + std::to_string(dstRank) + " tag " + std::to_string(tag);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("send").send(std::move(i), t, dstRank));
@@ -710,7 +781,7 @@ WorkRef MycclBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int ta
   [[maybe_unused]] const bool cuda = isCuda("recv", tensors);
   checkPeer(w, srcRank, rank_, size_);
   checkWritable(w, t, "tensor");
-  auto i = info(OpType::RECV, "recv", c10d::kUnsetTimeout, true);
+  auto i = info(OpType::RECV, "recv", c10d::kUnsetTimeout, true, true);
   i.op = "recv from " + std::to_string(srcRank) + " tag " + std::to_string(tag);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("recv").recv(std::move(i), t, srcRank));
@@ -725,7 +796,7 @@ WorkRef MycclBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   MYCCL_CHECK_ARG(!cuda, w, ": receive-from-any-source is supported for CPU tensors only (NCCL has no wildcard receive)");
   MYCCL_CHECK_ARG(size_ > 1, w, ": a group of one rank has nobody to receive from");
   checkWritable(w, t, "tensor");
-  auto i = info(OpType::RECVANYSOURCE, "recv_any_source", c10d::kUnsetTimeout, true);
+  auto i = info(OpType::RECVANYSOURCE, "recv_any_source", c10d::kUnsetTimeout, true, true);
   i.op = "recv from any tag " + std::to_string(tag);
   return record(cpu_->recvAny(std::move(i), t, tag));
 }
@@ -750,7 +821,7 @@ WorkRef MycclBackend::endCoalescing() {
     coalescing_ = false;
     works.swap(coalesced_);
   }
-  auto i = info(OpType::COALESCED, "coalesced", c10d::kUnsetTimeout, true);
+  auto i = info(OpType::COALESCED, "coalesced", c10d::kUnsetTimeout, true, true);
 #ifdef MYCCL_WITH_NCCL
   if (nccl_) works.push_back(nccl_->endCoalescing(i));
 #endif

@@ -35,13 +35,13 @@ const char* profilingTitle(c10d::OpType type) {
     case OpType::ALLREDUCE_COALESCED: return "myccl:all_reduce_coalesced";
     case OpType::REDUCE: return "myccl:reduce";
     case OpType::ALLGATHER: return "myccl:all_gather";
-    case OpType::_ALLGATHER_BASE: return "myccl:_all_gather_base";
+    case OpType::_ALLGATHER_BASE: return "myccl:all_gather_into_tensor";
     case OpType::ALLGATHER_COALESCED: return "myccl:all_gather_coalesced";
     case OpType::ALLGATHER_INTO_TENSOR_COALESCED: return "myccl:all_gather_into_tensor_coalesced";
     case OpType::GATHER: return "myccl:gather";
     case OpType::SCATTER: return "myccl:scatter";
     case OpType::REDUCE_SCATTER: return "myccl:reduce_scatter";
-    case OpType::_REDUCE_SCATTER_BASE: return "myccl:_reduce_scatter_base";
+    case OpType::_REDUCE_SCATTER_BASE: return "myccl:reduce_scatter_tensor";
     case OpType::REDUCE_SCATTER_TENSOR_COALESCED: return "myccl:reduce_scatter_tensor_coalesced";
     case OpType::ALLTOALL_BASE: return "myccl:all_to_all_single";
     case OpType::ALLTOALL: return "myccl:all_to_all";

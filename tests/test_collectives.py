@@ -27,10 +27,14 @@ WORLD_SIZES = [1, 2, 3, 4]
 CHUNK = 64 * 1024  # small pipeline segments so "large" really is multi-segment
 
 
-def _init(ctx):
+def _init(ctx, transport):
     import c10d_ext
 
-    ctx.init(pg_options=c10d_ext.Options(tcp_chunk_bytes=CHUNK))
+    ctx.init(pg_options=c10d_ext.Options(transport=transport, tcp_chunk_bytes=CHUNK, shm_buffer_bytes=CHUNK))
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    want_shm = transport == "auto" and ctx.size > 1
+    if backend.uses_shared_memory != want_shm:
+        raise AssertionError(f"transport={transport}: uses_shared_memory={backend.uses_shared_memory}")
 
 
 def _inputs(ctx, shape_name, dtype, seed):
@@ -80,8 +84,8 @@ class Report:
 
 # ---- per-rank bodies -----------------------------------------------------------------------
 
-def body_all_reduce(ctx):
-    _init(ctx)
+def body_all_reduce(ctx, transport):
+    _init(ctx, transport)
     rep = Report(ctx)
     seed = 0
     for dtype, shape_name in _cases():
@@ -108,8 +112,8 @@ def body_all_reduce(ctx):
     return rep.result()
 
 
-def body_reduce(ctx):
-    _init(ctx)
+def body_reduce(ctx, transport):
+    _init(ctx, transport)
     rep = Report(ctx)
     seed = 100
     for root in range(ctx.size):
@@ -129,8 +133,8 @@ def body_reduce(ctx):
     return rep.result()
 
 
-def body_broadcast(ctx):
-    _init(ctx)
+def body_broadcast(ctx, transport):
+    _init(ctx, transport)
     rep = Report(ctx)
     for root in range(ctx.size):
         for dtype, shape_name in _cases():
@@ -145,8 +149,8 @@ def body_broadcast(ctx):
     return rep.result()
 
 
-def body_all_gather(ctx):
-    _init(ctx)
+def body_all_gather(ctx, transport):
+    _init(ctx, transport)
     rep = Report(ctx)
     n = ctx.size
     for dtype, shape_name in _cases():
@@ -197,8 +201,8 @@ def body_all_gather(ctx):
     return rep.result()
 
 
-def body_gather_scatter(ctx):
-    _init(ctx)
+def body_gather_scatter(ctx, transport):
+    _init(ctx, transport)
     rep = Report(ctx)
     n = ctx.size
     for root in range(n):
@@ -214,8 +218,8 @@ def body_gather_scatter(ctx):
     return rep.result()
 
 
-def body_reduce_scatter(ctx):
-    _init(ctx)
+def body_reduce_scatter(ctx, transport):
+    _init(ctx, transport)
     rep = Report(ctx)
     n = ctx.size
     seed = 300
@@ -252,8 +256,8 @@ def body_reduce_scatter(ctx):
     return rep.result()
 
 
-def body_all_to_all(ctx):
-    _init(ctx)
+def body_all_to_all(ctx, transport):
+    _init(ctx, transport)
     rep = Report(ctx)
     n = ctx.size
     for dtype, shape_name in _cases(shapes=["small", "medium", "2d", "empty"]):
@@ -286,8 +290,8 @@ def body_all_to_all(ctx):
     return rep.result()
 
 
-def body_coalesced_and_barrier(ctx):
-    _init(ctx)
+def body_coalesced_and_barrier(ctx, transport):
+    _init(ctx, transport)
     rep = Report(ctx)
     n = ctx.size
     ts = [make(ctx.rank, (5,), torch.float32, 51), make(ctx.rank, (3, 2), torch.float32, 52),
@@ -319,10 +323,13 @@ BODIES = [body_all_reduce, body_reduce, body_broadcast, body_all_gather, body_ga
           body_reduce_scatter, body_all_to_all, body_coalesced_and_barrier]
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"], ids=["shm", "tcp"])
 @pytest.mark.parametrize("size", WORLD_SIZES)
 @pytest.mark.parametrize("body", BODIES, ids=[b.__name__[5:] for b in BODIES])
-def test_collective_matrix(run, size, body):
-    results = run(size, body, timeout=240)
+def test_collective_matrix(run, size, body, transport):
+    if size == 1 and transport == "tcp":
+        pytest.skip("a group of one rank uses no transport")
+    results = run(size, body, transport, timeout=240)
     failures = [f for _, fails in results for f in fails]
     checks = sum(c for c, _ in results)
     assert checks > 0

@@ -26,6 +26,8 @@ struct Config {
   int64_t tcpEagerBytes = 64 * 1024;
   // Segment size for pipelined TCP algorithms.
   int64_t tcpChunkBytes = 4 * 1024 * 1024;
+  // Size of each of the two shared-memory staging buffers per rank (the pipeline chunk).
+  int64_t shmBufferBytes = 1 << 20;
   // How long a waiting thread spins before sleeping (microseconds); -1 = adapt to cores.
   int64_t spinUs = -1;
   // CUDA: block the host in wait() and raise on timeout instead of stream-ordering.

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <tuple>
 
 #include "myccl/Config.hpp"
 #include "myccl/Reduction.hpp"
@@ -74,6 +75,12 @@ class MycclBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+  // Collective: a CPU tensor whose storage every rank of this group on this host maps (one
+  // copy per host). Zero-filled; writes are visible to the host's other ranks after a barrier.
+  at::Tensor sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype);
+  bool supportsTensorAlloc(c10::DeviceIndex deviceIdx) override;
+
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -91,9 +98,14 @@ class MycclBackend final : public c10d::Backend {
   std::chrono::milliseconds timeout() const { return timeout_.load(); }
   std::string describeLinks() const;
   bool ncclBuilt() const;
+  bool usesSharedMemory() const;
+  // (op, algorithm, count, bytes, seconds) for every op run so far on CPU.
+  std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> stats() const;
+  void resetStats();
 
  private:
-  OpInfo info(c10d::OpType type, const char* op, std::chrono::milliseconds timeout, bool p2p = false);
+  OpInfo info(c10d::OpType type, const char* op, std::chrono::milliseconds timeout, bool asyncOp = true,
+              bool p2p = false);
   std::string where(const char* op) const;
   c10::intrusive_ptr<c10d::Work> record(c10::intrusive_ptr<c10d::Work> w);
   // Which engine: all tensors on CPU, or all on CUDA (with NCCL built); anything else raises.
@@ -106,6 +118,8 @@ class MycclBackend final : public c10d::Backend {
   const Config cfg_;
   std::atomic<std::chrono::milliseconds> timeout_;
   c10::intrusive_ptr<c10d::Store> store_;
+  std::string keyPrefix_;  // this incarnation's key space in the store
+  std::atomic<uint64_t> sharedCount_{0};
   Topology topo_;
   std::unique_ptr<cpu::CpuEngine> cpu_;
   std::shared_ptr<cuda::NcclEngine> nccl_;  // shared_ptr: complete type not needed without NCCL

@@ -23,6 +23,7 @@ struct OpInfo {
   int rank = -1;      // this rank in the group
   std::string group;  // group name
   std::chrono::milliseconds timeout{0};
+  bool asyncOp = true;  // false: the caller waits at once (the engine may run it inline)
 
   // "all_reduce #12 (rank 0, group 'default_pg')"
   std::string describe() const;
@@ -47,6 +48,7 @@ class MycclWork : public c10d::Work {
   uint64_t getSequencenumber() const override;
 
   const OpInfo& info() const { return info_; }
+  std::chrono::steady_clock::time_point startTime() const { return started_.load() ? startedAt_ : queuedAt_; }
 
   // Engine side. markDone is idempotent: the first call decides the outcome.
   void markStarted();

@@ -42,35 +42,35 @@ at::Tensor privateCopy(const at::Tensor& t) {
   return t.contiguous().clone(at::MemoryFormat::Contiguous);
 }
 
-const char* opCodeName(uint8_t code) {
-  switch (static_cast<OpCode>(code)) {
-    case OpCode::Broadcast: return "broadcast";
-    case OpCode::Allreduce: return "all_reduce";
-    case OpCode::Reduce: return "reduce";
-    case OpCode::Allgather: return "all_gather";
-    case OpCode::Gather: return "gather";
-    case OpCode::Scatter: return "scatter";
-    case OpCode::ReduceScatter: return "reduce_scatter";
-    case OpCode::Alltoall: return "all_to_all";
-    case OpCode::Barrier: return "barrier";
-  }
-  return "?";
-}
-
-std::string describeTag(uint64_t tag) {
-  std::ostringstream os;
-  if (tag >> 63) {
-    os << opCodeName((tag >> 56) & 0x7f) << " #" << ((tag >> 16) & 0xffffffffffull);
-  } else {
-    os << "send with tag " << static_cast<int32_t>(tag & 0xffffffffu);
-  }
-  return os.str();
-}
-
 }  // namespace
 
-CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, int rank, int size, std::string group, const Config& cfg)
-    : transport_(std::move(transport)), rank_(rank), size_(size), group_(std::move(group)), cfg_(cfg) {
+CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, int rank, int size,
+                     std::string group, const Config& cfg)
+    : transport_(std::move(transport)), shm_(std::move(shm)), rank_(rank), size_(size), group_(std::move(group)),
+      cfg_(cfg) {
+  if (shm_) {
+    // A peer that dies never posts again; its TCP link (closed by the kernel) says so at once.
+    std::weak_ptr<Transport> tp = transport_;
+    shm_->setPeerMonitor([tp](int peer) {
+      auto t = tp.lock();
+      return t ? t->peerGone(peer) : std::string("transport closed");
+    });
+    shm_->setDescriber([](const StepDesc& d) {
+      // The agreement word's layout per op is set in ShmAlgorithms.cpp.
+      std::ostringstream os;
+      os << describeTag(d.op);
+      const auto code = static_cast<OpCode>((d.op >> 56) & 0x7f);
+      if (code == OpCode::Allreduce || code == OpCode::Reduce || code == OpCode::ReduceScatter) {
+        os << " on " << ((d.arg >> 16) & 0xffffffffffull) << " x "
+           << dtypeName(static_cast<DType>((d.arg >> 8) & 0xff)) << " " << redOpName(static_cast<RedOp>(d.arg & 0x7))
+           << ((d.arg & 0x80) ? "/AVG" : "");
+      } else if (code == OpCode::Broadcast || code == OpCode::Allgather || code == OpCode::Gather ||
+                 code == OpCode::Scatter) {
+        os << " of " << (d.arg >> 8) << " bytes";
+      }
+      return os.str();
+    });
+  }
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -88,6 +88,7 @@ CpuEngine::~CpuEngine() {
     }
   }
   transport_->close("process group destroyed");
+  if (shm_) shm_->abort("process group destroyed");
 }
 
 void CpuEngine::checkUsable(const OpInfo& info) const {
@@ -101,11 +102,31 @@ void CpuEngine::checkUsable(const OpInfo& info) const {
 
 CpuEngine::WorkPtr CpuEngine::enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body) {
   checkUsable(w->info());
+  Op op{w, code, std::move(body)};
+  bool inlineRun = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    queue_.push_back(Op{w, code, std::move(body)});
+    // A synchronous op on an idle engine runs right here: the caller is about to wait anyway,
+    // and two thread hand-offs would cost more than a small collective itself.
+    if (!w->info().asyncOp && queue_.empty() && !running_ && failure_.empty() && !stop_) {
+      running_ = true;
+      inlineRun = true;
+    } else {
+      queue_.push_back(std::move(op));
+    }
   }
-  cv_.notify_one();
+  if (!inlineRun) {
+    cv_.notify_one();
+    return w;
+  }
+  runOp(op);
+  op = Op{};
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    running_ = false;
+  }
+  cv_.notify_one();  // ops queued meanwhile may start now
+  idleCv_.notify_all();
   return w;
 }
 
@@ -114,41 +135,50 @@ void CpuEngine::loop() {
     Op op;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) break;
+      cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && !running_); });
+      if (queue_.empty() || running_) break;  // stopping
       op = std::move(queue_.front());
       queue_.pop_front();
       running_ = true;
     }
-    std::string earlier;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      earlier = failure_;
-    }
-    if (!earlier.empty()) {
-      op.work->markDone(makeDistError("myccl: " + op.work->info().describe() +
-                                      ": not run, the group failed earlier: " + earlier));
-    } else {
-      op.work->markStarted();
-      const auto& info = op.work->info();
-      CollCtx ctx{*transport_, rank_, size_, collectiveTagBase(static_cast<uint8_t>(op.code), info.seq),
-                  Clock::now() + info.timeout, scratch_, static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes))};
-      try {
-        op.body(ctx);
-        op.work->markDone();
-      } catch (const std::exception& e) {
-        bool timeout = false;
-        std::string msg = describeFailure(op, e, timeout);
-        failGroup(msg, timeout);
-        op.work->markDone(makeDistError("myccl: " + msg));
-      }
-    }
+    runOp(op);
     op = Op{};  // drop tensors and callbacks before reporting idle
     {
       std::lock_guard<std::mutex> lk(mu_);
       running_ = false;
     }
+    cv_.notify_one();
     idleCv_.notify_all();
+  }
+}
+
+void CpuEngine::runOp(Op& op) {
+  std::string earlier;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    earlier = failure_;
+  }
+  if (!earlier.empty()) {
+    op.work->markDone(makeDistError("myccl: " + op.work->info().describe() + ": not run, the group failed earlier: " +
+                                    earlier));
+    return;
+  }
+  op.work->markStarted();
+  const auto& info = op.work->info();
+  CollCtx ctx{*transport_, rank_, size_, collectiveTagBase(static_cast<uint8_t>(op.code), info.seq),
+              Clock::now() + info.timeout, scratch_,
+              static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get()};
+  const auto t0 = Clock::now();
+  try {
+    op.body(ctx);
+    stats_->add(profilingTitle(info.type) + 6, ctx.algo, ctx.bytes,
+                std::chrono::duration<double>(Clock::now() - t0).count());
+    op.work->markDone();
+  } catch (const std::exception& e) {
+    bool timeout = false;
+    std::string msg = describeFailure(op, e, timeout);
+    failGroup(msg, timeout);
+    op.work->markDone(makeDistError("myccl: " + msg));
   }
 }
 
@@ -194,7 +224,8 @@ void CpuEngine::failGroup(const std::string& why, bool timeout) {
     dropped.swap(queue_);
   }
   // Closing stops all I/O (no late message can land in a buffer) and tells peers at once.
-  transport_->close("rank " + std::to_string(rank_) + " closed its connections after: " + why);
+  if (shm_) shm_->abort(why);
+  transport_->close(why);
   for (auto& op : dropped) {
     op.work->markDone(makeDistError("myccl: " + op.work->info().describe() + ": not run, the group failed: " + why));
   }
@@ -212,7 +243,29 @@ void CpuEngine::shutdown() {
   }
   cv_.notify_all();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
-  transport_->close("process group shut down");
+  transport_->close("it shut down its process group");
+  if (shm_) shm_->abort("process group shut down");
+}
+
+at::Tensor CpuEngine::allocateTensor(int64_t numel, const at::TensorOptions& options) {
+  const auto dtype = options.dtype();
+  const size_t nbytes = static_cast<size_t>(std::max<int64_t>(numel, 0)) * dtype.itemsize();
+  std::shared_ptr<ShmSegment> seg;
+  if (shm_ && nbytes > 0) seg = shm_->allocate(nbytes);
+  if (!seg) {
+    static std::once_flag warned;
+    if (shm_ && nbytes > 0)
+      std::call_once(warned, [] {
+        TORCH_WARN("myccl: allocate_tensor: the shared-memory table is full; returning ordinary memory");
+      });
+    return at::empty({numel}, options.device(at::kCPU));
+  }
+  std::weak_ptr<ShmGroup> group = shm_;
+  // The tensor owns the mapping (it may outlive the group); freeing it unregisters the slot.
+  auto deleter = [seg, group](void* p) {
+    if (auto g = group.lock()) g->release(p);
+  };
+  return at::from_blob(seg->data(), {numel}, deleter, options.device(at::kCPU));
 }
 
 bool CpuEngine::failed() const {
@@ -228,6 +281,31 @@ bool CpuEngine::timedOut() const {
 std::string CpuEngine::failure() const {
   std::lock_guard<std::mutex> lk(mu_);
   return failure_;
+}
+
+// ---- stats ---------------------------------------------------------------------------------
+
+void Stats::add(const std::string& op, const std::string& algo, uint64_t bytes, double seconds) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& e : entries_) {
+    if (e.op == op && e.algo == algo) {
+      ++e.count;
+      e.bytes += bytes;
+      e.seconds += seconds;
+      return;
+    }
+  }
+  entries_.push_back(Entry{op, algo, 1, bytes, seconds});
+}
+
+std::vector<Stats::Entry> Stats::snapshot() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return entries_;
+}
+
+void Stats::reset() {
+  std::lock_guard<std::mutex> lk(mu_);
+  entries_.clear();
 }
 
 // ---- collectives ---------------------------------------------------------------------------
@@ -246,6 +324,7 @@ CpuEngine::WorkPtr CpuEngine::broadcast(OpInfo info, at::Tensor t, int root) {
   auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{t}, std::vector<at::Tensor>{t});
   return enqueue(w, OpCode::Broadcast, [t, root](CollCtx& c) {
     auto s = Staged::of(t, c.rank == root);
+    c.bytes = s.nbytes();
     cpu::broadcast(c, s.ptr(), s.nbytes(), root);
     s.commit();
   });
@@ -257,6 +336,7 @@ CpuEngine::WorkPtr CpuEngine::allreduce(OpInfo info, std::vector<at::Tensor> ten
     const ReduceSpec& spec = red.spec;
     if (tensors.size() == 1) {
       auto s = Staged::of(tensors[0], true);
+      c.bytes = s.nbytes();
       if (red.premul) scaleInPlace(spec.dtype, s.ptr(), s.work.numel(), red.factor);
       cpu::allreduce(c, s.ptr(), s.work.numel(), spec);
       s.commit();
@@ -267,6 +347,7 @@ CpuEngine::WorkPtr CpuEngine::allreduce(OpInfo info, std::vector<at::Tensor> ten
     flat.reserve(tensors.size());
     for (auto& t : tensors) flat.push_back(t.reshape({-1}));
     at::Tensor buf = at::cat(flat);
+    c.bytes = buf.numel() * buf.element_size();
     if (red.premul) scaleInPlace(spec.dtype, buf.data_ptr(), buf.numel(), red.factor);
     cpu::allreduce(c, buf.data_ptr(), buf.numel(), spec);
     int64_t off = 0;
@@ -281,6 +362,7 @@ CpuEngine::WorkPtr CpuEngine::reduce(OpInfo info, at::Tensor t, const Reduction&
   auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{t}, std::vector<at::Tensor>{t});
   return enqueue(w, OpCode::Reduce, [t, red, root](CollCtx& c) {
     auto s = Staged::of(t, true);
+    c.bytes = s.nbytes();
     const void* in = s.ptr();
     at::Tensor scaled;
     if (red.premul) {
@@ -307,6 +389,7 @@ CpuEngine::WorkPtr CpuEngine::allgather(OpInfo info, std::vector<at::Tensor> inp
         ptrs.push_back(outs.back().ptr());
         sizes.push_back(outs.back().nbytes());
       }
+      for (auto sz : sizes) c.bytes += sz;
       cpu::allgatherv(c, in.ptr(), ptrs.data(), sizes.data());
       for (auto& o : outs) o.commit();
     }
@@ -327,6 +410,7 @@ CpuEngine::WorkPtr CpuEngine::gather(OpInfo info, at::Tensor input, std::vector<
         sizes[r] = outs.back().nbytes();
       }
     }
+    c.bytes = in.nbytes();
     cpu::gatherv(c, in.ptr(), ptrs.data(), sizes.data(), root);
     for (auto& o : outs) o.commit();
   });
@@ -346,6 +430,7 @@ CpuEngine::WorkPtr CpuEngine::scatter(OpInfo info, std::vector<at::Tensor> input
         sizes[r] = ins.back().nbytes();
       }
     }
+    c.bytes = out.nbytes();
     cpu::scatterv(c, ptrs.data(), out.ptr(), sizes.data(), root);
     out.commit();
   });
@@ -367,6 +452,7 @@ CpuEngine::WorkPtr CpuEngine::reduceScatter(OpInfo info, std::vector<std::vector
         ptrs.push_back(x.data_ptr());
         counts.push_back(x.numel());
       }
+      for (auto& x : keep) c.bytes += x.numel() * x.element_size();
       cpu::reduceScatterv(c, ptrs.data(), out.ptr(), counts.data(), red.spec);
       out.commit();
     }
@@ -390,6 +476,7 @@ CpuEngine::WorkPtr CpuEngine::alltoall(OpInfo info, std::vector<at::Tensor> inpu
       rp.push_back(outs.back().ptr());
       rb.push_back(outs.back().nbytes());
     }
+    for (auto b : sb) c.bytes += b;
     cpu::alltoallv(c, sp.data(), sb.data(), rp.data(), rb.data());
     for (auto& o : outs) o.commit();
   });
@@ -406,10 +493,13 @@ namespace {
 
 // Runs inside the request's own completion (so `req` is alive); captures no RequestPtr, which
 // would keep a withdrawn request alive forever through its own callback.
-void finishP2P(const c10::intrusive_ptr<MycclWork>& w, const Request& req, const std::function<void()>& onOk) {
+void finishP2P(const c10::intrusive_ptr<MycclWork>& w, const Request& req, const std::function<void()>& onOk,
+               const std::shared_ptr<Stats>& stats, const char* algo) {
   try {
     req.rethrow();
     if (onOk) onOk();
+    stats->add(profilingTitle(w->info().type) + 6, algo, req.nbytes(),
+               std::chrono::duration<double>(Clock::now() - w->startTime()).count());
     w->setSourceRank(req.source());
     w->markDone();
   } catch (const std::exception& e) {
@@ -437,7 +527,7 @@ CpuEngine::WorkPtr CpuEngine::send(OpInfo info, at::Tensor t, int peer, int tag)
   w->setCanceller([] { return false; });
   w->markStarted();
   auto req = transport_->isend(peer, p2pTag(tag), c.data_ptr(), c.numel() * c.element_size());
-  req->onDone([w, r = req.get(), c] { finishP2P(w, *r, nullptr); });
+  req->onDone([w, r = req.get(), c, st = stats_, algo = transport_->name()] { finishP2P(w, *r, nullptr, st, algo); });
   return w;
 }
 
@@ -448,7 +538,9 @@ CpuEngine::WorkPtr CpuEngine::recv(OpInfo info, at::Tensor t, int peer, int tag)
   w->markStarted();
   auto req = transport_->irecv(peer, p2pTag(tag), s.ptr(), s.nbytes());
   w->setCanceller(canceller(transport_, req));
-  req->onDone([w, r = req.get(), s] { finishP2P(w, *r, [s] { s.commit(); }); });
+  req->onDone([w, r = req.get(), s, st = stats_, algo = transport_->name()] {
+    finishP2P(w, *r, [s] { s.commit(); }, st, algo);
+  });
   return w;
 }
 
@@ -462,7 +554,9 @@ CpuEngine::WorkPtr CpuEngine::recvAny(OpInfo info, at::Tensor t, int tag) {
   w->markStarted();
   auto req = transport_->irecvAny(peers, p2pTag(tag), s.ptr(), s.nbytes());
   w->setCanceller(canceller(transport_, req));
-  req->onDone([w, r = req.get(), s] { finishP2P(w, *r, [s] { s.commit(); }); });
+  req->onDone([w, r = req.get(), s, st = stats_, algo = transport_->name()] {
+    finishP2P(w, *r, [s] { s.commit(); }, st, algo);
+  });
   return w;
 }
 

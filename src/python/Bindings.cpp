@@ -113,6 +113,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("tcp_eager_bytes", &myccl::Config::tcpEagerBytes)
       .def_readwrite("tcp_chunk_bytes", &myccl::Config::tcpChunkBytes)
       .def_readwrite("spin_us", &myccl::Config::spinUs)
+      .def_readwrite("shm_buffer_bytes", &myccl::Config::shmBufferBytes)
       .def_readwrite("blocking_wait", &myccl::Config::blockingWait)
       .def_readwrite("avoid_record_streams", &myccl::Config::avoidRecordStreams)
       .def_readwrite("high_priority_stream", &myccl::Config::highPriorityStream)
@@ -136,7 +137,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("cross_size", [](const myccl::MycclBackend& b) { return b.topology().crossSize; })
       .def_property_readonly("local_ranks", [](const myccl::MycclBackend& b) { return b.topology().localRanks; })
       .def_property_readonly("host_of_rank", [](const myccl::MycclBackend& b) { return b.topology().hostOfRank; })
-      .def("describe_links", &myccl::MycclBackend::describeLinks);
+      .def_property_readonly("uses_shared_memory", &myccl::MycclBackend::usesSharedMemory)
+      .def("describe_links", &myccl::MycclBackend::describeLinks)
+      .def("shared_tensor", &myccl::MycclBackend::sharedTensor, py::arg("shape"), py::arg("dtype"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("stats", &myccl::MycclBackend::stats)
+      .def("reset_stats", &myccl::MycclBackend::resetStats);
 
   m.def("build_info", []() {
     py::dict d;

@@ -13,11 +13,13 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "myccl/Config.hpp"
 #include "myccl/Work.hpp"
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/algorithms/Algorithms.hpp"
+#include "myccl/cpu/transport/Shm.hpp"
 #include "myccl/cpu/transport/Transport.hpp"
 
 namespace myccl::cpu {
@@ -28,9 +30,31 @@ enum class OpCode : uint8_t {
   Broadcast = 1, Allreduce, Reduce, Allgather, Gather, Scatter, ReduceScatter, Alltoall, Barrier,
 };
 
+// Counts, bytes and time per (op, algorithm). Shared with p2p completion callbacks, which
+// may run after the engine is gone.
+class Stats {
+ public:
+  struct Entry {
+    std::string op, algo;
+    uint64_t count = 0;
+    uint64_t bytes = 0;
+    double seconds = 0;
+  };
+  void add(const std::string& op, const std::string& algo, uint64_t bytes, double seconds);
+  std::vector<Entry> snapshot() const;
+  void reset();
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<Entry> entries_;
+};
+
 class CpuEngine {
  public:
-  CpuEngine(std::shared_ptr<Transport> transport, int rank, int size, std::string group, const Config& cfg);
+  // `shm` is set when every rank of the group shares this host: collectives then go through
+  // shared memory, point-to-point and liveness through `transport`.
+  CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, int rank, int size,
+            std::string group, const Config& cfg);
   ~CpuEngine();
 
   using WorkPtr = c10::intrusive_ptr<MycclWork>;
@@ -66,6 +90,11 @@ class CpuEngine {
   bool timedOut() const;
   std::string failure() const;
   Transport& transport() { return *transport_; }
+  bool usesSharedMemory() const { return shm_ != nullptr; }
+  Stats& stats() { return *stats_; }
+  // A CPU tensor of `numel` elements in registered shared memory (collectives on it skip the
+  // staging copies); an ordinary tensor when shared memory is not in use or is exhausted.
+  at::Tensor allocateTensor(int64_t numel, const at::TensorOptions& options);
 
  private:
   struct Op {
@@ -75,16 +104,19 @@ class CpuEngine {
   };
   WorkPtr enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body);
   void loop();
+  void runOp(Op& op);
   void failGroup(const std::string& why, bool timeout);
   std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
   void checkUsable(const OpInfo& info) const;
 
   std::shared_ptr<Transport> transport_;
+  std::shared_ptr<ShmGroup> shm_;
   const int rank_;
   const int size_;
   const std::string group_;
   const Config cfg_;
   Scratch scratch_;
+  std::shared_ptr<Stats> stats_ = std::make_shared<Stats>();
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

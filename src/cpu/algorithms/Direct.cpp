@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "myccl/cpu/algorithms/Algorithms.hpp"
+#include "Direct.hpp"
 
 namespace myccl::cpu {
 
@@ -87,48 +87,16 @@ void reduceSliceFromPeers(CollCtx& c, const void* own, void* out, size_t count, 
 
 }  // namespace
 
-Scratch::~Scratch() {
-  release();
-}
-
-void* Scratch::get(int slot, size_t nbytes) {
-  if (static_cast<size_t>(slot) >= bufs_.size()) bufs_.resize(slot + 1);
-  Buf& b = bufs_[slot];
-  if (b.size < nbytes) {
-    std::free(b.ptr);
-    size_t want = std::max<size_t>(nbytes, b.size + b.size / 2);
-    b.ptr = std::aligned_alloc(64, (want + 63) / 64 * 64);
-    if (b.ptr == nullptr) throw CommError(CommErrorKind::Local, "out of memory for " + std::to_string(want) + " bytes of scratch");
-    b.size = want;
-  }
-  return b.ptr;
-}
-
-size_t Scratch::bytesHeld() const {
-  size_t t = 0;
-  for (auto& b : bufs_) t += b.size;
-  return t;
-}
-
-void Scratch::release() {
-  for (auto& b : bufs_) std::free(b.ptr);
-  bufs_.clear();
-}
-
-uint64_t collectiveTagBase(uint8_t opCode, uint64_t seq) {
-  return (uint64_t{1} << 63) | (static_cast<uint64_t>(opCode & 0x7f) << 56) | ((seq & 0xffffffffffull) << 16);
-}
-
-uint64_t p2pTag(int userTag) {
-  return static_cast<uint32_t>(userTag);
-}
+namespace direct {
 
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
+  c.algo = "tcp-direct-reduce-scatter-all-gather";
   const int n = c.size;
   if (n == 1) return;
   const size_t esize = dtypeSize(spec.dtype);
   const size_t nbytes = count * esize;
   if (nbytes <= kSmallReduceBytes || count < static_cast<size_t>(n)) {
+    c.algo = "tcp-direct-one-round";
     // One round: everyone sends everything to everyone, everyone reduces in rank order.
     char* all = static_cast<char*>(c.scratch.get(1, nbytes * n));
     std::vector<RequestPtr> reqs;
@@ -173,6 +141,7 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
 }
 
 void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
+  c.algo = "tcp-direct";
   const int n = c.size;
   if (n == 1) return;
   std::vector<RequestPtr> reqs;
@@ -214,6 +183,7 @@ void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
 }
 
 void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpec& spec, int root) {
+  c.algo = "tcp-direct";
   const int n = c.size;
   const size_t esize = dtypeSize(spec.dtype);
   const size_t nbytes = count * esize;
@@ -268,6 +238,7 @@ void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpe
 }
 
 void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes) {
+  c.algo = "tcp-direct";
   std::vector<RequestPtr> reqs;
   for (int q = 0; q < c.size; ++q) {
     if (q == c.rank) continue;
@@ -282,6 +253,7 @@ void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nby
 }
 
 void gatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes, int root) {
+  c.algo = "tcp-direct";
   std::vector<RequestPtr> reqs;
   if (c.rank == root) {
     for (int q = 0; q < c.size; ++q)
@@ -294,6 +266,7 @@ void gatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes
 }
 
 void scatterv(CollCtx& c, const void* const* ins, void* out, const size_t* nbytes, int root) {
+  c.algo = "tcp-direct";
   std::vector<RequestPtr> reqs;
   if (c.rank == root) {
     for (int q = 0; q < c.size; ++q)
@@ -306,6 +279,7 @@ void scatterv(CollCtx& c, const void* const* ins, void* out, const size_t* nbyte
 }
 
 void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec) {
+  c.algo = "tcp-direct";
   const size_t esize = dtypeSize(spec.dtype);
   const size_t seg = segmentElems(c, esize);
   std::vector<RequestPtr> sends;
@@ -323,6 +297,7 @@ void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t*
 
 void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, void* const* recvs,
                const size_t* recvBytes) {
+  c.algo = "tcp-pairwise";
   std::vector<RequestPtr> reqs;
   for (int q = 0; q < c.size; ++q) {
     if (q == c.rank) continue;
@@ -342,6 +317,7 @@ void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, vo
 }
 
 void barrier(CollCtx& c) {
+  c.algo = "tcp-dissemination";
   // Dissemination: log2(n) rounds of empty messages.
   for (int k = 1, step = 0; k < c.size; k <<= 1, ++step) {
     std::vector<RequestPtr> reqs;
@@ -353,4 +329,5 @@ void barrier(CollCtx& c) {
   }
 }
 
+}  // namespace direct
 }  // namespace myccl::cpu

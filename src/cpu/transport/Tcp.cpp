@@ -33,7 +33,8 @@ constexpr uint32_t kHelloMagic = 0x4d59434cu;
 constexpr uint32_t kVersion = 1;
 constexpr size_t kTokenBytes = 32;
 
-enum Kind : uint32_t { kEager = 1, kRts = 2, kCts = 3, kData = 4, kNack = 5 };
+enum Kind : uint32_t { kEager = 1, kRts = 2, kCts = 3, kData = 4, kNack = 5, kGoodbye = 6 };
+constexpr size_t kMaxGoodbye = 4096;
 
 struct Hello {
   uint32_t magic;
@@ -198,6 +199,8 @@ struct TcpTransport::Peer {
   std::shared_ptr<Unexpected> readingUnexpected;
   bool discarding = false;
   std::vector<char> sink;
+  bool readingGoodbye = false;
+  std::string goodbye;
 };
 
 TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, TcpSetup setup,
@@ -840,6 +843,20 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
     }
     return;
   }
+  if (kind == kGoodbye) {
+    // The peer is closing and says why; its words become the error of anything still
+    // waiting for it.
+    if (f.nbytes > kMaxGoodbye) {
+      peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (oversized goodbye)", done);
+      return;
+    }
+    p.goodbye.assign(f.nbytes, '\0');
+    p.target = p.goodbye.data();
+    p.targetLen = f.nbytes;
+    p.inPayload = true;
+    p.readingGoodbye = true;
+    return;
+  }
   peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (unknown frame kind)", done);
 }
 
@@ -847,6 +864,11 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
 void TcpTransport::finishRead(int peer, std::vector<std::function<void()>>& done) {
   auto& p = *peers_[peer];
   p.inPayload = false;
+  if (p.readingGoodbye) {
+    p.readingGoodbye = false;
+    p.deadReason = "rank " + std::to_string(peer) + " left the group: " + p.goodbye;
+    return;
+  }
   if (p.discarding) {
     p.discarding = false;
     return;
@@ -927,6 +949,23 @@ void TcpTransport::close(const std::string& reason) {
     if (closed_) return;
     closed_ = true;
     closeReason_ = reason;
+    // Best effort: tell every peer why, so a peer still waiting for us reports our reason
+    // instead of "connection closed". Only on an idle stream (never inside another frame).
+    const std::string text = reason.substr(0, kMaxGoodbye);
+    for (int r = 0; r < setup_.size; ++r) {
+      if (r == setup_.rank) continue;
+      auto& p = *peers_[r];
+      if (p.dead || p.fd < 0 || !p.sendq.empty()) continue;
+      Frame f{};
+      f.magicKind = kMagic << 8 | kGoodbye;
+      f.nbytes = text.size();
+      iovec iov[2] = {{&f, sizeof(f)}, {const_cast<char*>(text.data()), text.size()}};
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = 2;
+      ssize_t w = ::sendmsg(p.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      (void)w;
+    }
   }
   stopping_.store(true, std::memory_order_release);
   if (wakeFd_ >= 0) wake();
@@ -969,6 +1008,13 @@ std::string TcpTransport::describePeer(int peer) const {
   std::lock_guard<std::mutex> lk(mu_);
   const auto& p = *peers_[peer];
   return "tcp " + (p.addr.empty() ? setup_.peerAddresses[peer] : p.addr) + (p.dead ? " (gone)" : "");
+}
+
+std::string TcpTransport::peerGone(int peer) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) return closeReason_;
+  const auto& p = *peers_[peer];
+  return p.dead ? p.deadReason : std::string();
 }
 
 bool TcpTransport::cancel(const RequestPtr& req) {

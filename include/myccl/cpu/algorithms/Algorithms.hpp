@@ -6,12 +6,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/transport/Transport.hpp"
 
 namespace myccl::cpu {
+
+class ShmGroup;
 
 // Engine-owned memory, cached across ops (fresh allocations per call cost up to half the
 // bandwidth of large collectives). A slot keeps its pointer until the next get() of that slot.
@@ -39,6 +42,9 @@ struct CollCtx {
   Deadline deadline;
   Scratch& scratch;
   size_t chunkBytes;  // segment size for pipelined large messages
+  ShmGroup* shm = nullptr;  // set when every rank of the group shares this host's memory
+  const char* algo = "none";  // set by the algorithm that ran (stats, traces)
+  size_t bytes = 0;           // payload of the op as this rank sees it (stats, traces)
 
   uint64_t tag(uint32_t step) const { return tagBase | step; }
 };
@@ -47,6 +53,11 @@ struct CollCtx {
 uint64_t collectiveTagBase(uint8_t opCode, uint64_t seq);
 // Point-to-point tags: bit 63 clear, the user's tag in the low 32 bits.
 uint64_t p2pTag(int userTag);
+// "all_reduce #12" for a collective tag, "send with tag 3" for a point-to-point one.
+std::string describeTag(uint64_t tag);
+
+// The collectives. Each picks the algorithm for the group and size: shared memory when all
+// ranks share a host, direct exchanges over the message transport otherwise.
 
 // In place: buf (count elements) becomes the reduction over all ranks.
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec);

@@ -41,6 +41,7 @@ class TcpTransport final : public Transport {
   void close(const std::string& reason) override;
   std::string describePeer(int peer) const override;
   bool cancel(const RequestPtr& req) override;
+  std::string peerGone(int peer) const override;
   std::vector<std::pair<int, uint64_t>> unmatched() const override;
 
   // Connections refused during setup because they did not present the group secret.

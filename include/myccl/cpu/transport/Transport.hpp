@@ -74,6 +74,8 @@ class Transport {
   virtual void close(const std::string& reason) = 0;
   // Human-readable description of the link to a peer, for error messages and `info`.
   virtual std::string describePeer(int peer) const = 0;
+  // Why `peer` is known to be gone ("" while it is alive as far as this transport knows).
+  virtual std::string peerGone(int peer) const { return ""; }
   // Withdraws a receive nobody has started to fill; false if data already flows into it.
   virtual bool cancel(const RequestPtr& req) { return false; }
   // Messages that arrived but match no posted receive: (peer, tag). Explains hangs.

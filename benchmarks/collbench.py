@@ -1,0 +1,378 @@
+"""Collective benchmark: myccl against the baseline (gloo on CPU, torch's nccl on CUDA), both
+measured in the same run, every op x sizes.
+
+    python benchmarks/collbench.py --world-size 2            # spawns its own ranks
+    torchrun --nproc-per-node 4 benchmarks/collbench.py      # or under torchrun
+    python benchmarks/collbench.py --world-size 2 --check --ops all_reduce --max-size 1M
+
+Per row: median time per op, algbw and busbw (nccl-tests formulas), the baseline's figures
+and the speed-up. The machine's single-core copy bandwidth is measured too, and every busbw is
+also printed as a fraction of it. Writes JSON (--out) and, if matplotlib is there, a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+OPS = ["all_reduce", "all_reduce_bf16", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
+       "gather", "scatter", "send_recv", "barrier"]
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    for suffix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if s.endswith(suffix):
+            return int(float(s[:-1]) * mult)
+    return int(s)
+
+
+def fmt_size(n: int) -> str:
+    for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return f"{n}B"
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw = algbw x factor."""
+    if op.startswith("all_reduce"):
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+class Case:
+    """One op at one size: tensors, the call, and a result check."""
+
+    def __init__(self, op: str, nbytes: int, rank: int, n: int, device: torch.device, alloc=None):
+        self.op, self.rank, self.n = op, rank, n
+        dtype = torch.bfloat16 if op.endswith("bf16") else torch.float32
+        es = torch.tensor([], dtype=dtype).element_size()
+        new = alloc or (lambda numel, dt: torch.empty(numel, dtype=dt, device=device))
+        # "size" follows nccl-tests: the buffer for all_reduce/broadcast/reduce/send, the full
+        # gathered output for all_gather/gather, the full input for reduce_scatter/scatter,
+        # the per-rank buffer for all_to_all.
+        count = max(1, nbytes // es)
+        if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+            count = max(n, count // n * n)
+        self.count, self.dtype, self.es = count, dtype, es
+        self.nbytes = count * es
+        blk = count // n
+        if op in ("all_gather", "gather"):
+            self.inp = new(blk, dtype).fill_(rank + 1)
+            self.out = new(count, dtype)
+        elif op in ("reduce_scatter", "scatter"):
+            self.inp = new(count, dtype).fill_(rank + 1)
+            self.out = new(blk, dtype)
+        elif op == "all_to_all":
+            self.inp = new(count, dtype).fill_(rank + 1)
+            self.out = new(count, dtype)
+        else:
+            self.inp = new(count, dtype).fill_(rank + 1)
+            self.out = None
+        self.blk = blk
+        if op in ("scatter",):
+            self.chunks = list(self.inp.split(blk)) if rank == 0 else None
+        if op == "gather":
+            self.glist = list(self.out.split(blk)) if rank == 0 else None
+
+    def __call__(self) -> None:
+        op = self.op
+        if op.startswith("all_reduce"):
+            dist.all_reduce(self.inp)
+        elif op == "broadcast":
+            dist.broadcast(self.inp, src=0)
+        elif op == "reduce":
+            dist.reduce(self.inp, dst=0)
+        elif op == "all_gather":
+            dist.all_gather_into_tensor(self.out, self.inp)
+        elif op == "reduce_scatter":
+            dist.reduce_scatter_tensor(self.out, self.inp)
+        elif op == "all_to_all":
+            dist.all_to_all_single(self.out, self.inp)
+        elif op == "gather":
+            dist.gather(self.inp, gather_list=self.glist, dst=0)
+        elif op == "scatter":
+            dist.scatter(self.out, scatter_list=self.chunks, src=0)
+        elif op == "send_recv":
+            if self.rank == 0:
+                dist.send(self.inp, 1)
+            elif self.rank == 1:
+                dist.recv(self.inp, 0)
+        elif op == "barrier":
+            dist.barrier()
+
+    def check(self) -> bool:
+        """Re-initialises the inputs, runs once, compares with what the op must produce."""
+        n, r = self.n, self.rank
+        self.inp.fill_(r + 1)
+        self()
+        total = n * (n + 1) / 2
+        op = self.op
+        if op.startswith("all_reduce"):
+            return bool((self.inp == total).all())
+        if op == "broadcast":
+            return bool((self.inp == 1).all())
+        if op == "reduce":
+            return r != 0 or bool((self.inp == total).all())
+        if op == "all_gather":
+            want = torch.arange(1, n + 1, dtype=self.dtype, device=self.inp.device).repeat_interleave(self.blk)
+            return bool(torch.equal(self.out, want))
+        if op == "reduce_scatter":
+            return bool((self.out == total).all())
+        if op == "all_to_all":
+            want = torch.arange(1, n + 1, dtype=self.dtype, device=self.inp.device).repeat_interleave(self.blk)
+            return bool(torch.equal(self.out, want))
+        if op == "gather":
+            if r != 0:
+                return True
+            want = torch.arange(1, n + 1, dtype=self.dtype, device=self.inp.device).repeat_interleave(self.blk)
+            return bool(torch.equal(self.out, want))
+        if op == "scatter":
+            return bool((self.out == 1).all())
+        if op == "send_recv":
+            return r != 1 or bool((self.inp == 1).all())
+        return True
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_case(case: Case, device, trials: int, budget_s: float) -> float:
+    """Median seconds per op over `trials` runs of back-to-back ops (ranks agree on counts)."""
+    for _ in range(2):
+        case()
+    sync(device)
+    t0 = time.perf_counter()
+    case()
+    sync(device)
+    one = time.perf_counter() - t0
+    est = torch.tensor([one], dtype=torch.float64)
+    dist.all_reduce(est, op=dist.ReduceOp.MAX)  # every rank must run the same number of ops
+    iters = int(max(1, min(2000, budget_s / trials / max(est.item(), 1e-7))))
+    times = []
+    for _ in range(trials):
+        dist.barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            case()
+        sync(device)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Single-core memcpy rate, GB/s of payload (what one rank can move alone)."""
+    a = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+    b = torch.empty_like(a)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = max(best, a.numel() / (time.perf_counter() - t0) / 1e9)
+    torch.set_num_threads(prev)
+    return best
+
+
+def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) -> list[dict] | None:
+    import c10d_ext  # noqa: F401
+
+    if device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    torch.set_num_threads(1)
+    copy_bw = copy_bandwidth() if device_type == "cpu" else None
+    sizes = []
+    s = args.min_size
+    while s <= args.max_size:
+        sizes.append(s)
+        s *= args.step
+    rows = []
+    for bi, backend in enumerate(args.backends):
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{ports[bi]}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=300))
+        for op in args.ops:
+            if op == "send_recv" and world < 2:
+                continue
+            op_sizes = [0] if op == "barrier" else sizes
+            for nbytes in op_sizes:
+                alloc = None
+                if args.alloc == "backend" and backend == "myccl" and device_type == "cpu":
+                    be = dist.group.WORLD._get_backend(device)
+                    alloc = lambda numel, dt: be._allocate_tensor(numel, dt)  # noqa: E731
+                case = Case(op, nbytes, rank, world, device, alloc)
+                t = time_case(case, device, args.trials, args.budget)
+                ok = case.check() if args.check else None
+                if args.check:
+                    flag = torch.tensor([0 if ok else 1])
+                    dist.all_reduce(flag)
+                    ok = flag.item() == 0
+                algbw = case.nbytes / t / 1e9 if op != "barrier" else 0.0
+                rows.append({"backend": backend, "op": op, "bytes": case.nbytes if op != "barrier" else 0,
+                             "time_us": t * 1e6, "algbw_gbs": algbw, "busbw_gbs": algbw * bus_factor(op, world),
+                             "check": ok})
+                if rank == 0 and args.verbose:
+                    print(f"{backend:6} {op:16} {fmt_size(case.nbytes):>6} {t * 1e6:10.1f} us", flush=True)
+        dist.destroy_process_group()
+    if rank == 0:
+        return [{"copy_gbs": copy_bw}] + rows
+    return None
+
+
+def _spawn_entry(rank, world, args, ports, device_type, queue):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = run_rank(rank, world, args, ports, device_type)
+    if rank == 0:
+        queue.put(out)
+
+
+def free_ports(k: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(k):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def report(rows: list[dict], world: int, args, baseline: str) -> dict:
+    copy_bw = rows[0]["copy_gbs"]
+    rows = rows[1:]
+    by = {(r["backend"], r["op"], r["bytes"]): r for r in rows}
+    print(f"\ncollbench: world size {world}, device {args.device}, baseline {baseline}"
+          + (f", one-core copy {copy_bw:.2f} GB/s" if copy_bw else ""))
+    hdr = (f"{'op':16} {'size':>6} | {'myccl us':>10} {'busbw':>7} | {baseline + ' us':>10} {'busbw':>7} | "
+           f"{'speedup':>7}" + ("  bus/copy" if copy_bw else "") + ("  check" if args.check else ""))
+    print(hdr)
+    print("-" * len(hdr))
+    table = []
+    for r in rows:
+        if r["backend"] != "myccl":
+            continue
+        b = by.get((baseline, r["op"], r["bytes"]))
+        speed = b["time_us"] / r["time_us"] if b else float("nan")
+        line = (f"{r['op']:16} {fmt_size(r['bytes']) if r['op'] != 'barrier' else '-':>6} | "
+                f"{r['time_us']:10.1f} {r['busbw_gbs']:7.2f} | "
+                f"{(b['time_us'] if b else float('nan')):10.1f} {(b['busbw_gbs'] if b else float('nan')):7.2f} | "
+                f"{speed:6.1f}x")
+        if copy_bw:
+            line += f"  {r['busbw_gbs'] / copy_bw:8.2f}"
+        if args.check:
+            line += f"  {'ok' if r['check'] and (not b or b['check']) else 'FAIL'}"
+        print(line)
+        table.append({**r, "baseline_time_us": b["time_us"] if b else None,
+                      "baseline_busbw_gbs": b["busbw_gbs"] if b else None, "speedup": speed})
+    return {"world_size": world, "device": args.device, "baseline": baseline, "copy_gbs": copy_bw,
+            "torch": torch.__version__, "rows": table, "raw": rows}
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    ops = [o for o in dict.fromkeys(r["op"] for r in result["raw"]) if o != "barrier"]
+    fig, axes = plt.subplots(2, len(ops), figsize=(3.2 * len(ops), 6), squeeze=False)
+    for j, op in enumerate(ops):
+        for backend, style in (("myccl", "-o"), (result["baseline"], "--s")):
+            pts = sorted((r["bytes"], r["busbw_gbs"], r["time_us"]) for r in result["raw"]
+                         if r["op"] == op and r["backend"] == backend)
+            if not pts:
+                continue
+            x = [p[0] for p in pts]
+            axes[0][j].plot(x, [p[1] for p in pts], style, ms=3, label=backend)
+            axes[1][j].plot(x, [p[2] for p in pts], style, ms=3, label=backend)
+        axes[0][j].set_title(op, fontsize=9)
+        for i in range(2):
+            axes[i][j].set_xscale("log", base=2)
+            axes[i][j].tick_params(labelsize=7)
+        axes[1][j].set_yscale("log")
+        axes[1][j].set_xlabel("bytes", fontsize=8)
+    axes[0][0].set_ylabel("busbw (GB/s)")
+    axes[1][0].set_ylabel("time per op (us)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"collbench: world size {result['world_size']}, {result['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--min-size", type=parse_size, default=8)
+    ap.add_argument("--max-size", type=parse_size, default=256 << 20)
+    ap.add_argument("--step", type=int, default=4, help="size multiplier between rows")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=0.25, help="seconds of timed ops per row and backend")
+    ap.add_argument("--baseline", default=None, help="default: gloo on cpu, nccl on cuda; 'none' skips it")
+    ap.add_argument("--alloc", choices=["torch", "backend"], default="torch",
+                    help="backend: myccl tensors come from its shared-memory allocator (zero copy)")
+    ap.add_argument("--check", action="store_true", help="verify every op's result")
+    ap.add_argument("--out", default=None, help="JSON path (default bench_out/collbench_<device>_ws<N>.json)")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    args.ops = [o for o in args.ops.split(",") if o]
+    baseline = args.baseline or ("nccl" if args.device == "cuda" else "gloo")
+    args.backends = ["myccl"] if baseline == "none" else ["myccl", baseline]
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        port = int(os.environ.get("MASTER_PORT", "29500"))
+        rows = run_rank(rank, world, args, [port + 1, port + 2], args.device)
+        if rank != 0:
+            return
+    else:
+        import multiprocessing as mp
+
+        world = args.world_size
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        ports = free_ports(2)
+        procs = [ctx.Process(target=_spawn_entry, args=(r, world, args, ports, args.device, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        rows = q.get()
+        for p in procs:
+            p.join()
+    result = report(rows, world, args, baseline)
+    out = args.out or os.path.join(ROOT, "bench_out", f"collbench_{args.device}_ws{world}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"json: {out}")
+    plot(result, out[:-5] + ".png")
+
+
+if __name__ == "__main__":
+    main()

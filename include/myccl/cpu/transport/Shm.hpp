@@ -1,0 +1,163 @@
+// Shared-memory transport for the ranks of one host. Each local rank owns one segment (mode
+// 0600, random name) holding its control block and two staging buffers; every local rank
+// maps every segment, after which the names are unlinked, so nothing stays in /dev/shm even
+// if a process is killed. Ranks advance through numbered steps: a rank posts step s in its
+// control block after writing that step's data, and waits for the peers it reads from to
+// have posted s. Waiting spins briefly, then sleeps on a futex (no core burnt while idle).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "myccl/cpu/transport/Transport.hpp"
+
+namespace myccl::cpu {
+
+// One mapped POSIX shared-memory object.
+class ShmSegment {
+ public:
+  // Creates a fresh segment with an unguessable name, mode 0600, backed by real pages
+  // (fallocate) so running out of /dev/shm is an error here and never a SIGBUS later.
+  static std::unique_ptr<ShmSegment> create(size_t size);
+  static std::unique_ptr<ShmSegment> open(const std::string& name, size_t size);
+  ~ShmSegment();
+
+  void unlink();  // remove the name; the mapping stays valid
+  char* data() const { return static_cast<char*>(base_); }
+  size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  ShmSegment(std::string name, void* base, size_t size, bool owner)
+      : name_(std::move(name)), base_(base), size_(size), owner_(owner) {}
+  std::string name_;
+  void* base_ = nullptr;
+  size_t size_ = 0;
+  bool owner_ = false;
+  bool linked_ = true;
+};
+
+// Raised (on every local rank alike) when some rank cannot set up shared memory.
+class ShmUnavailable : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// What a rank publishes with each step, so peers detect at once that ranks disagree about the
+// op (different op, sequence, size or dtype) instead of reading the wrong bytes.
+struct StepDesc {
+  uint64_t op = 0;   // collective tag base: op code + op sequence number
+  uint64_t arg = 0;  // op-specific agreement value (e.g. element count and dtype)
+};
+
+class ShmGroup {
+ public:
+  struct Options {
+    int rank = 0;                  // rank within the local group (0..localSize-1)
+    std::vector<int> groupRanks;   // local index -> rank in the process group
+    size_t stagingBytes = 1 << 20;  // each of the two staging buffers per rank
+    int64_t spinUs = -1;            // -1: adapt to ranks per core
+    std::chrono::milliseconds timeout{30000};
+  };
+
+  // Collective over the local ranks: create, publish, map, unlink.
+  ShmGroup(c10d::Store& store, const std::string& prefix, Options opts);
+  ~ShmGroup();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int groupRank(int local) const { return groupRanks_[local]; }
+  size_t stagingBytes() const { return staging_; }
+
+  // Staging buffer `which` (0/1) of local rank `r`.
+  char* buffer(int r, int which) const;
+  // Four words rank r publishes with `step` (indexed by step parity, like the buffers).
+  uint64_t* scratch(int r, uint32_t step) const;
+
+  // Step protocol. begin() returns the next step number after making sure every peer has
+  // finished reading the data of two steps ago (whose buffers this step may overwrite).
+  uint32_t begin(const StepDesc& d, Deadline deadline);
+  void post(uint32_t step);
+  // Waits until local rank `peer` posted `step`, and checks it runs the same op.
+  void wait(int peer, uint32_t step, Deadline deadline);
+  void waitAll(uint32_t step, Deadline deadline);
+  uint32_t lastStep() const { return step_; }
+
+  // ---- registered memory (zero copy) ----
+  // A place in some rank's registered memory, as published to peers.
+  struct Region {
+    int32_t slot = -1;  // -1: not registered
+    uint32_t gen = 0;
+    uint64_t offset = 0;
+  };
+  // Shared memory this rank's peers can read directly (tensors from allocateTensor): a fresh
+  // segment registered in this rank's table, or nullptr if the table is full. The caller
+  // keeps the mapping alive (it may outlive the group) and calls release() when done.
+  std::shared_ptr<ShmSegment> allocate(size_t nbytes);
+  void release(const void* ptr);
+  // Whether [p, p+n) lies in this rank's registered memory.
+  Region locate(const void* p, size_t n) const;
+  // Pointer, in this process, to `r` of local rank `peer` (maps the peer's segment on first use).
+  char* resolve(int peer, const Region& r);
+  static void packRegion(const Region& r, uint64_t* words);
+  static Region unpackRegion(const uint64_t* words);
+
+  // Liveness: returns a reason if the peer is known to be gone (wired to the TCP links,
+  // which the kernel closes when a process dies). Checked while waiting.
+  void setPeerMonitor(std::function<std::string(int groupRank)> monitor) { monitor_ = std::move(monitor); }
+  // How to name a StepDesc in error messages (the transport does not know op names).
+  void setDescriber(std::function<std::string(const StepDesc&)> d) { describer_ = std::move(d); }
+  // Makes every current and future wait fail at once (group aborted).
+  void abort(const std::string& why);
+
+ private:
+  struct Ctrl;
+  Ctrl* ctrl(int r) const;
+  void waitSlow(int peer, uint32_t step, Deadline deadline);
+  void checkDesc(int peer, uint32_t step) const;
+
+  struct Owned {
+    std::shared_ptr<ShmSegment> seg;
+    int slot;
+    uint32_t gen;
+  };
+  struct Mapped {
+    uint32_t gen = 0;
+    std::unique_ptr<ShmSegment> seg;
+  };
+
+  int rank_;
+  int size_;
+  std::vector<int> groupRanks_;
+  mutable std::mutex regMu_;       // owned_ and this rank's table
+  std::vector<Owned> owned_;
+  std::vector<std::vector<Mapped>> mapped_;  // [peer][slot], engine thread only
+  size_t staging_;
+  size_t segBytes_;
+  std::unique_ptr<ShmSegment> mine_;
+  std::vector<std::unique_ptr<ShmSegment>> peers_;
+  std::vector<char*> bases_;
+  uint32_t step_ = 0;
+  StepDesc desc_;
+  int64_t spinNs_;
+  bool yieldFirst_;
+  std::function<std::string(int)> monitor_;
+  std::function<std::string(const StepDesc&)> describer_;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex abortMu_;
+  std::string abortReason_;
+};
+
+// Online CPUs this process may run on.
+int usableCpus();
+
+}  // namespace myccl::cpu

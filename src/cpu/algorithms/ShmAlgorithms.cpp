@@ -1,0 +1,365 @@
+// Collectives among the ranks of one host through shared memory. Every op is a sequence of
+// steps (see Shm.hpp): a rank writes what others must read into its staging buffer of the
+// step's parity, posts the step, waits for the ranks it reads from, and reads straight out of
+// their buffers. Reductions: small ones in one step (everyone reads everything), large ones
+// as a chunked reduce-scatter (each rank reduces its slice from all peers' buffers, in rank
+// order) followed by an all-gather of the reduced slices.
+#include "ShmAlgorithms.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace myccl::cpu::shmalg {
+
+namespace {
+
+// Small reductions go in one step; below this every rank reading everything is cheaper than
+// a second synchronisation.
+constexpr size_t kOneStepReduceBytes = 64 * 1024;
+
+void partition(size_t count, int parts, std::vector<size_t>& offs, std::vector<size_t>& cnts) {
+  offs.resize(parts);
+  cnts.resize(parts);
+  size_t base = count / parts, extra = count % parts, off = 0;
+  for (int r = 0; r < parts; ++r) {
+    cnts[r] = base + (static_cast<size_t>(r) < extra ? 1 : 0);
+    offs[r] = off;
+    off += cnts[r];
+  }
+}
+
+uint64_t reduceArg(size_t count, const ReduceSpec& spec) {
+  return (static_cast<uint64_t>(count) << 16) | (static_cast<uint64_t>(spec.dtype) << 8) |
+         static_cast<uint64_t>(spec.op) | (spec.divisor ? 0x80 : 0);
+}
+
+void copy(void* dst, const void* src, size_t n) {
+  if (n && dst != src) std::memcpy(dst, src, n);
+}
+
+// Ops at least this large first check whether every rank's buffer lives in registered shared
+// memory (tensors from allocateTensor); then peers read each other's tensors in place and the
+// staging copies disappear. All ranks take the same decision, from the published regions.
+constexpr size_t kZeroCopyMinBytes = 256 * 1024;
+
+// One step: publish where `mine` is; true (and `ptrs`) if the ranks in `need` all have
+// registered buffers. `ptrs[q]` is then rank q's buffer in this process.
+bool agreeZeroCopy(CollCtx& c, ShmGroup& g, const StepDesc& desc, const void* mine, size_t nbytes,
+                   const std::vector<int>& need, std::vector<char*>& ptrs) {
+  const int n = g.size(), me = g.rank();
+  const uint32_t s = g.begin(desc, c.deadline);
+  ShmGroup::packRegion(g.locate(mine, nbytes), g.scratch(me, s));
+  g.post(s);
+  g.waitAll(s, c.deadline);
+  ptrs.assign(n, nullptr);
+  for (int q : need)
+    if (ShmGroup::unpackRegion(g.scratch(q, s)).slot < 0) return false;
+  for (int q : need)
+    ptrs[q] = (q == me) ? static_cast<char*>(const_cast<void*>(mine)) : g.resolve(q, ShmGroup::unpackRegion(g.scratch(q, s)));
+  return true;
+}
+
+std::vector<int> everyone(int n) {
+  std::vector<int> v(n);
+  for (int i = 0; i < n; ++i) v[i] = i;
+  return v;
+}
+
+// Final step of a zero-copy op: nobody returns (and lets its caller touch its tensor) while a
+// peer may still be reading it.
+void finishZeroCopy(CollCtx& c, ShmGroup& g, const StepDesc& desc) {
+  const uint32_t s = g.begin(desc, c.deadline);
+  g.post(s);
+  g.waitAll(s, c.deadline);
+}
+
+}  // namespace
+
+void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec) {
+  const int n = g.size(), me = g.rank();
+  const size_t es = dtypeSize(spec.dtype);
+  const size_t nbytes = count * es;
+  const StepDesc desc{c.tagBase, reduceArg(count, spec)};
+  char* data = static_cast<char*>(buf);
+  std::vector<const void*> ins(n);
+  if (nbytes <= std::min(kOneStepReduceBytes, g.stagingBytes()) || count < static_cast<size_t>(n)) {
+    c.algo = "shm-one-step";
+    const uint32_t s = g.begin(desc, c.deadline);
+    copy(g.buffer(me, s & 1), data, nbytes);
+    g.post(s);
+    g.waitAll(s, c.deadline);
+    for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(data) : g.buffer(q, s & 1);
+    reduceInto(spec, data, ins.data(), n, count);
+    return;
+  }
+  std::vector<size_t> so, sc;
+  if (nbytes >= kZeroCopyMinBytes) {
+    std::vector<char*> ptrs;
+    if (agreeZeroCopy(c, g, desc, data, nbytes, everyone(n), ptrs)) {
+      c.algo = "shm-zero-copy";
+      // Reduce my slice straight out of every rank's tensor, then copy the others' slices.
+      partition(count, n, so, sc);
+      for (int q = 0; q < n; ++q) ins[q] = ptrs[q] + so[me] * es;
+      const uint32_t a = g.begin(desc, c.deadline);
+      reduceInto(spec, data + so[me] * es, ins.data(), n, sc[me]);
+      g.post(a);
+      g.waitAll(a, c.deadline);
+      for (int q = 0; q < n; ++q)
+        if (q != me) copy(data + so[q] * es, ptrs[q] + so[q] * es, sc[q] * es);
+      finishZeroCopy(c, g, desc);
+      return;
+    }
+  }
+  c.algo = "shm-reduce-scatter-all-gather";
+  const size_t chunk = std::max<size_t>(n, g.stagingBytes() / es);
+  for (size_t off = 0; off < count; off += chunk) {
+    const size_t m = std::min(chunk, count - off);
+    partition(m, n, so, sc);
+    char* base = data + off * es;
+    // Step A: stage the slices the other ranks reduce.
+    const uint32_t a = g.begin(desc, c.deadline);
+    char* stageA = g.buffer(me, a & 1);
+    for (int q = 0; q < n; ++q)
+      if (q != me) copy(stageA + so[q] * es, base + so[q] * es, sc[q] * es);
+    g.post(a);
+    g.waitAll(a, c.deadline);
+    // Step B: reduce my slice out of everybody's step-A buffer, publish it.
+    const uint32_t b = g.begin(desc, c.deadline);
+    char* mine = base + so[me] * es;
+    for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(mine) : g.buffer(q, a & 1) + so[me] * es;
+    reduceInto(spec, mine, ins.data(), n, sc[me]);
+    copy(g.buffer(me, b & 1) + so[me] * es, mine, sc[me] * es);
+    g.post(b);
+    g.waitAll(b, c.deadline);
+    for (int q = 0; q < n; ++q)
+      if (q != me) copy(base + so[q] * es, g.buffer(q, b & 1) + so[q] * es, sc[q] * es);
+  }
+}
+
+void broadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root) {
+  const int me = g.rank();
+  const StepDesc desc{c.tagBase, (static_cast<uint64_t>(nbytes) << 8) | static_cast<uint64_t>(root)};
+  const size_t chunk = g.stagingBytes();
+  char* data = static_cast<char*>(buf);
+  if (nbytes >= kZeroCopyMinBytes) {
+    std::vector<char*> ptrs;
+    if (agreeZeroCopy(c, g, desc, data, nbytes, {root}, ptrs)) {
+      c.algo = "shm-zero-copy";
+      if (me != root) copy(data, ptrs[root], nbytes);
+      finishZeroCopy(c, g, desc);
+      return;
+    }
+  }
+  // Non-roots post a step as soon as they start it (they write nothing), which lets the root
+  // stage chunk k+1 while they copy chunk k out.
+  c.algo = "shm-pipelined";
+  for (size_t off = 0; off < nbytes; off += chunk) {
+    const size_t m = std::min(chunk, nbytes - off);
+    const uint32_t s = g.begin(desc, c.deadline);
+    if (me == root) copy(g.buffer(me, s & 1), data + off, m);
+    g.post(s);
+    if (me != root) {
+      g.wait(root, s, c.deadline);
+      copy(data + off, g.buffer(root, s & 1), m);
+    }
+  }
+}
+
+void reduce(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, const ReduceSpec& spec, int root) {
+  const int n = g.size(), me = g.rank();
+  const size_t es = dtypeSize(spec.dtype);
+  const size_t nbytes = count * es;
+  const StepDesc desc{c.tagBase, reduceArg(count, spec) ^ (static_cast<uint64_t>(root) << 58)};
+  const char* src = static_cast<const char*>(in);
+  std::vector<const void*> ins(n);
+  if (nbytes <= std::min(kOneStepReduceBytes, g.stagingBytes()) || count < static_cast<size_t>(n)) {
+    c.algo = "shm-one-step";
+    const uint32_t s = g.begin(desc, c.deadline);
+    if (me != root) copy(g.buffer(me, s & 1), src, nbytes);
+    g.post(s);
+    if (me == root) {
+      g.waitAll(s, c.deadline);
+      for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(src) : g.buffer(q, s & 1);
+      reduceInto(spec, out, ins.data(), n, count);
+    }
+    return;
+  }
+  c.algo = "shm-reduce-scatter-gather";
+  const size_t chunk = std::max<size_t>(n, g.stagingBytes() / es);
+  std::vector<size_t> so, sc;
+  for (size_t off = 0; off < count; off += chunk) {
+    const size_t m = std::min(chunk, count - off);
+    partition(m, n, so, sc);
+    const char* base = src + off * es;
+    const uint32_t a = g.begin(desc, c.deadline);
+    char* stageA = g.buffer(me, a & 1);
+    for (int q = 0; q < n; ++q)
+      if (q != me) copy(stageA + so[q] * es, base + so[q] * es, sc[q] * es);
+    g.post(a);
+    g.waitAll(a, c.deadline);
+    const uint32_t b = g.begin(desc, c.deadline);
+    // The input must stay untouched: my reduced slice goes to staging (or straight to `out`).
+    char* dst = (me == root) ? static_cast<char*>(out) + (off + so[me]) * es : g.buffer(me, b & 1) + so[me] * es;
+    for (int q = 0; q < n; ++q)
+      ins[q] = (q == me) ? static_cast<const void*>(base + so[me] * es) : g.buffer(q, a & 1) + so[me] * es;
+    reduceInto(spec, dst, ins.data(), n, sc[me]);
+    g.post(b);
+    if (me == root) {
+      for (int q = 0; q < n; ++q) {
+        if (q == me) continue;
+        g.wait(q, b, c.deadline);
+        copy(static_cast<char*>(out) + (off + so[q]) * es, g.buffer(q, b & 1) + so[q] * es, sc[q] * es);
+      }
+    }
+  }
+}
+
+void allgatherv(CollCtx& c, ShmGroup& g, const void* in, void* const* outs, const size_t* nbytes, bool rootOnly,
+                int root) {
+  const int n = g.size(), me = g.rank();
+  size_t most = 0, total = 0;
+  for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
+  const StepDesc desc{c.tagBase, (static_cast<uint64_t>(total) << 8) | (rootOnly ? static_cast<uint64_t>(root) : 0xff)};
+  const bool receiver = !rootOnly || me == root;
+  if (receiver) copy(outs[me], in, nbytes[me]);
+  if (!rootOnly && total >= kZeroCopyMinBytes) {
+    std::vector<char*> ptrs;
+    if (agreeZeroCopy(c, g, desc, in, nbytes[me], everyone(n), ptrs)) {
+      c.algo = "shm-zero-copy";
+      for (int q = 0; q < n; ++q)
+        if (q != me) copy(outs[q], ptrs[q], nbytes[q]);
+      finishZeroCopy(c, g, desc);
+      return;
+    }
+  }
+  c.algo = "shm-staged";
+  const size_t chunk = g.stagingBytes();
+  for (size_t off = 0; off < most; off += chunk) {
+    const uint32_t s = g.begin(desc, c.deadline);
+    if (off < nbytes[me] && !(rootOnly && me == root))
+      copy(g.buffer(me, s & 1), static_cast<const char*>(in) + off, std::min(chunk, nbytes[me] - off));
+    g.post(s);
+    if (!receiver) continue;
+    for (int q = 0; q < n; ++q) {
+      if (q == me || off >= nbytes[q]) continue;
+      g.wait(q, s, c.deadline);
+      copy(static_cast<char*>(outs[q]) + off, g.buffer(q, s & 1), std::min(chunk, nbytes[q] - off));
+    }
+  }
+}
+
+void scatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const size_t* nbytes, int root) {
+  const int n = g.size(), me = g.rank();
+  size_t most = 0, total = 0;
+  for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
+  const StepDesc desc{c.tagBase, (static_cast<uint64_t>(total) << 8) | static_cast<uint64_t>(root)};
+  if (me == root) copy(out, ins[me], nbytes[me]);
+  c.algo = "shm-staged";
+  const size_t region = std::max<size_t>(64, g.stagingBytes() / n / 64 * 64);
+  for (size_t off = 0; off < most; off += region) {
+    const uint32_t s = g.begin(desc, c.deadline);
+    if (me == root) {
+      char* stage = g.buffer(me, s & 1);
+      for (int q = 0; q < n; ++q)
+        if (q != me && off < nbytes[q])
+          copy(stage + q * region, static_cast<const char*>(ins[q]) + off, std::min(region, nbytes[q] - off));
+    }
+    g.post(s);
+    if (me != root && off < nbytes[me]) {
+      g.wait(root, s, c.deadline);
+      copy(static_cast<char*>(out) + off, g.buffer(root, s & 1) + me * region, std::min(region, nbytes[me] - off));
+    }
+  }
+}
+
+void reduceScatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const size_t* counts,
+                    const ReduceSpec& spec) {
+  const int n = g.size(), me = g.rank();
+  const size_t es = dtypeSize(spec.dtype);
+  size_t most = 0, total = 0;
+  for (int q = 0; q < n; ++q) most = std::max(most, counts[q]), total += counts[q];
+  const StepDesc desc{c.tagBase, reduceArg(total, spec)};
+  std::vector<const void*> from(n);
+  if (total * es >= kZeroCopyMinBytes) {
+    bool contiguous = true;
+    std::vector<size_t> prefix(n + 1, 0);
+    for (int q = 0; q < n; ++q) {
+      prefix[q + 1] = prefix[q] + counts[q];
+      contiguous &= static_cast<const char*>(ins[q]) == static_cast<const char*>(ins[0]) + prefix[q] * es;
+    }
+    std::vector<char*> ptrs;
+    // Every rank takes part in the agreement; a non-contiguous input simply publishes nothing.
+    if (agreeZeroCopy(c, g, desc, contiguous ? ins[0] : nullptr, contiguous ? total * es : 0, everyone(n), ptrs)) {
+      c.algo = "shm-zero-copy";
+      for (int q = 0; q < n; ++q) from[q] = ptrs[q] + prefix[me] * es;
+      reduceInto(spec, out, from.data(), n, counts[me]);
+      finishZeroCopy(c, g, desc);
+      return;
+    }
+  }
+  c.algo = "shm-staged";
+  const size_t region = std::max<size_t>(1, g.stagingBytes() / n / es);  // elements per destination
+  for (size_t off = 0; off < most; off += region) {
+    const uint32_t s = g.begin(desc, c.deadline);
+    char* stage = g.buffer(me, s & 1);
+    for (int q = 0; q < n; ++q)
+      if (q != me && off < counts[q])
+        copy(stage + q * region * es, static_cast<const char*>(ins[q]) + off * es, std::min(region, counts[q] - off) * es);
+    g.post(s);
+    if (off >= counts[me]) continue;
+    g.waitAll(s, c.deadline);
+    const size_t m = std::min(region, counts[me] - off);
+    for (int q = 0; q < n; ++q)
+      from[q] = (q == me) ? static_cast<const char*>(ins[me]) + off * es : g.buffer(q, s & 1) + me * region * es;
+    reduceInto(spec, static_cast<char*>(out) + off * es, from.data(), n, m);
+  }
+}
+
+void alltoallv(CollCtx& c, ShmGroup& g, const void* const* sends, const size_t* sendBytes, void* const* recvs,
+               const size_t* recvBytes) {
+  const int n = g.size(), me = g.rank();
+  const StepDesc desc{c.tagBase, 0};
+  c.algo = "shm-staged";
+  // Step 0: everybody publishes what it sends to whom; mismatches are caught here, by name.
+  const uint32_t s0 = g.begin(desc, c.deadline);
+  auto* mySizes = reinterpret_cast<uint64_t*>(g.buffer(me, s0 & 1));  // n words fit: staging >= 4 KiB
+  for (int q = 0; q < n; ++q) mySizes[q] = sendBytes[q];
+  g.post(s0);
+  g.waitAll(s0, c.deadline);
+  size_t most = 0;
+  for (int q = 0; q < n; ++q) {
+    auto* theirs = reinterpret_cast<const uint64_t*>(g.buffer(q, s0 & 1));
+    for (int r = 0; r < n; ++r) most = std::max<size_t>(most, theirs[r]);
+    if (theirs[me] != recvBytes[q]) {
+      throw CommError(CommErrorKind::Protocol,
+                      "rank " + std::to_string(g.groupRank(q)) + " sends " + std::to_string(theirs[me]) +
+                          " bytes to this rank but this rank expects " + std::to_string(recvBytes[q]) +
+                          " from it (check the split sizes)",
+                      g.groupRank(q));
+    }
+  }
+  copy(recvs[me], sends[me], recvBytes[me]);
+  const size_t region = std::max<size_t>(64, g.stagingBytes() / n / 64 * 64);
+  for (size_t off = 0; off < most; off += region) {
+    const uint32_t s = g.begin(desc, c.deadline);
+    char* stage = g.buffer(me, s & 1);
+    for (int q = 0; q < n; ++q)
+      if (q != me && off < sendBytes[q])
+        copy(stage + q * region, static_cast<const char*>(sends[q]) + off, std::min(region, sendBytes[q] - off));
+    g.post(s);
+    for (int q = 0; q < n; ++q) {
+      if (q == me || off >= recvBytes[q]) continue;
+      g.wait(q, s, c.deadline);
+      copy(static_cast<char*>(recvs[q]) + off, g.buffer(q, s & 1) + me * region, std::min(region, recvBytes[q] - off));
+    }
+  }
+}
+
+void barrier(CollCtx& c, ShmGroup& g) {
+  c.algo = "shm-flags";
+  const uint32_t s = g.begin(StepDesc{c.tagBase, 0}, c.deadline);
+  g.post(s);
+  g.waitAll(s, c.deadline);
+}
+
+}  // namespace myccl::cpu::shmalg

@@ -1,0 +1,405 @@
+// Shared-memory segments and the step protocol between the ranks of one host.
+#include "myccl/cpu/transport/Shm.hpp"
+
+#include <fcntl.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "myccl/cpu/transport/Net.hpp"
+
+namespace myccl::cpu {
+
+namespace {
+
+constexpr uint32_t kCtrlMagic = 0x4d434353;  // "MCCS"
+constexpr size_t kCtrlBytes = 4096;
+constexpr int kSlots = 32;  // registered segments per rank
+
+bool reached(uint32_t have, uint32_t want) {
+  return static_cast<int32_t>(have - want) >= 0;
+}
+
+void futexWait(std::atomic<uint32_t>* addr, uint32_t expected, std::chrono::nanoseconds timeout) {
+  timespec ts{static_cast<time_t>(timeout.count() / 1000000000), static_cast<long>(timeout.count() % 1000000000)};
+  // Not FUTEX_PRIVATE: the word lives in memory shared between processes.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futexWakeAll(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpuRelax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+}  // namespace
+
+int usableCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// ---- segments ------------------------------------------------------------------------------
+
+std::unique_ptr<ShmSegment> ShmSegment::create(size_t size) {
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    std::string name = "/myccl-" + randomHex(12);
+    int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == EEXIST) continue;
+    MYCCL_CHECK(fd >= 0, "shared memory: shm_open(", name, ") failed: ", strerror(errno),
+                " (set MYCCL_TRANSPORT=tcp to run without shared memory)");
+    fchmod(fd, 0600);  // exactly owner-only, whatever the umask
+    int err = 0;
+    if (ftruncate(fd, static_cast<off_t>(size)) != 0) err = errno;
+    // Real pages now: a full /dev/shm must fail here, not as SIGBUS on first touch.
+    if (!err) err = posix_fallocate(fd, 0, static_cast<off_t>(size));
+    void* base = err ? MAP_FAILED : mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (!err && base == MAP_FAILED) err = errno;
+    ::close(fd);
+    if (err) {
+      shm_unlink(name.c_str());
+      MYCCL_CHECK(false, "shared memory: cannot allocate ", size, " bytes in /dev/shm: ", strerror(err),
+                  " (free space in /dev/shm, lower MYCCL_SHM_BUFFER_BYTES, or set MYCCL_TRANSPORT=tcp)");
+    }
+    return std::unique_ptr<ShmSegment>(new ShmSegment(name, base, size, true));
+  }
+  MYCCL_CHECK(false, "shared memory: could not find a free segment name");
+}
+
+std::unique_ptr<ShmSegment> ShmSegment::open(const std::string& name, size_t size) {
+  int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+  MYCCL_CHECK(fd >= 0, "shared memory: cannot open a peer's segment ", name, ": ", strerror(errno));
+  struct stat st {};
+  fstat(fd, &st);
+  if (static_cast<size_t>(st.st_size) < size) {
+    ::close(fd);
+    MYCCL_CHECK(false, "shared memory: peer segment ", name, " has ", st.st_size, " bytes, expected ", size);
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int err = errno;
+  ::close(fd);
+  MYCCL_CHECK(base != MAP_FAILED, "shared memory: mmap of ", name, " failed: ", strerror(err));
+  return std::unique_ptr<ShmSegment>(new ShmSegment(name, base, size, false));
+}
+
+ShmSegment::~ShmSegment() {
+  if (owner_) unlink();
+  if (base_) munmap(base_, size_);
+}
+
+void ShmSegment::unlink() {
+  if (owner_ && linked_) {
+    shm_unlink(name_.c_str());
+    linked_ = false;
+  }
+}
+
+// ---- the step protocol ---------------------------------------------------------------------
+
+struct alignas(64) ShmGroup::Ctrl {
+  std::atomic<uint32_t> seq;      // last posted step; also the futex word
+  std::atomic<uint32_t> waiters;  // processes sleeping on `seq`
+  uint32_t magic;
+  int32_t pid;
+  char pad0[48];
+  StepDesc desc[4];        // desc[s % 4]: what this rank runs at step s (peers are <= 1 step apart)
+  uint64_t scratch[2][4];  // per-step words peers read, by step parity
+  // Registered memory: segments peers may map to read this rank's tensors in place.
+  struct Slot {
+    std::atomic<uint32_t> gen;       // changes whenever the slot is (re)used or freed
+    std::atomic<uint32_t> live;
+    uint64_t size;
+    std::atomic<uint64_t> mappedBy;  // bit per local rank that mapped it; the last one unlinks
+    char name[40];
+  } slots[kSlots];
+};
+
+
+ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
+    : rank_(opts.rank), size_(static_cast<int>(opts.groupRanks.size())), groupRanks_(opts.groupRanks) {
+  staging_ = (std::max<size_t>(opts.stagingBytes, 4096) + 4095) / 4096 * 4096;
+  segBytes_ = kCtrlBytes + 2 * staging_;
+  const int cpus = usableCpus();
+  if (opts.spinUs >= 0) {
+    spinNs_ = opts.spinUs * 1000;
+    yieldFirst_ = false;
+  } else if (size_ <= cpus) {
+    spinNs_ = 50'000;  // a peer on its own core answers within microseconds
+    yieldFirst_ = false;
+  } else {
+    spinNs_ = 0;  // more ranks than cores: spinning only steals the core a peer needs
+    yieldFirst_ = true;
+  }
+
+  // Every rank learns whether every other rank succeeded, so all of them reach the same
+  // decision (shared memory or not) instead of some waiting for a segment that never comes.
+  const std::string me = std::to_string(groupRanks_[rank_]);
+  auto publish = [&](const std::string& key, const std::string& value) {
+    store.set(prefix + key + me, std::vector<uint8_t>(value.begin(), value.end()));
+  };
+  auto collect = [&](const std::string& key) {
+    std::vector<std::string> keys, out;
+    for (int r = 0; r < size_; ++r) keys.push_back(prefix + key + std::to_string(groupRanks_[r]));
+    for (auto& v : store.multiGet(keys)) out.emplace_back(v.begin(), v.end());
+    for (int r = 0; r < size_; ++r) {
+      if (!out[r].empty() && out[r][0] == '!') {
+        throw ShmUnavailable("rank " + std::to_string(groupRanks_[r]) + ": " + out[r].substr(1));
+      }
+    }
+    return out;
+  };
+  std::string failure;
+  try {
+    mine_ = ShmSegment::create(segBytes_);
+    auto* c = reinterpret_cast<Ctrl*>(mine_->data());
+    new (c) Ctrl();
+    c->seq.store(0);
+    c->waiters.store(0);
+    c->magic = kCtrlMagic;
+    c->pid = getpid();
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  publish("shm/name/", failure.empty() ? mine_->name() : "!" + failure);
+  auto names = collect("shm/name/");
+
+  peers_.resize(size_);
+  bases_.assign(size_, nullptr);
+  bases_[rank_] = mine_->data();
+  try {
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      peers_[r] = ShmSegment::open(names[r], segBytes_);
+      bases_[r] = peers_[r]->data();
+      MYCCL_CHECK(ctrl(r)->magic == kCtrlMagic, "shared memory: segment of rank ", groupRanks_[r], " is not initialised");
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  // Once everybody has mapped everything the names can go: from here on a crash leaves
+  // nothing behind in /dev/shm.
+  publish("shm/mapped/", failure.empty() ? std::string("ok") : "!" + failure);
+  try {
+    collect("shm/mapped/");
+  } catch (...) {
+    mine_->unlink();
+    throw;
+  }
+  mine_->unlink();
+}
+
+ShmGroup::~ShmGroup() {
+  abort("shared-memory group destroyed");
+}
+
+ShmGroup::Ctrl* ShmGroup::ctrl(int r) const {
+  static_assert(sizeof(Ctrl) <= kCtrlBytes, "control block too large");
+  return reinterpret_cast<Ctrl*>(bases_[r]);
+}
+
+char* ShmGroup::buffer(int r, int which) const {
+  return bases_[r] + kCtrlBytes + static_cast<size_t>(which) * staging_;
+}
+
+uint64_t* ShmGroup::scratch(int r, uint32_t step) const {
+  return ctrl(r)->scratch[step & 1];
+}
+
+// ---- registered memory ---------------------------------------------------------------------
+
+std::shared_ptr<ShmSegment> ShmGroup::allocate(size_t nbytes) {
+  std::lock_guard<std::mutex> lk(regMu_);
+  Ctrl* c = ctrl(rank_);
+  int slot = -1;
+  for (int i = 0; i < kSlots && slot < 0; ++i)
+    if (!c->slots[i].live.load()) slot = i;
+  if (slot < 0) return nullptr;
+  std::shared_ptr<ShmSegment> seg = ShmSegment::create(std::max<size_t>(nbytes, 64));
+  auto& e = c->slots[slot];
+  MYCCL_CHECK(seg->name().size() < sizeof(e.name), "shared memory: segment name too long");
+  std::memset(e.name, 0, sizeof(e.name));
+  std::memcpy(e.name, seg->name().data(), seg->name().size());
+  e.size = seg->size();
+  e.mappedBy.store(uint64_t{1} << rank_);
+  const uint32_t gen = e.gen.load() + 1;
+  e.gen.store(gen, std::memory_order_release);
+  e.live.store(1, std::memory_order_release);
+  if (size_ == 1) seg->unlink();
+  owned_.push_back(Owned{seg, slot, gen});
+  return seg;
+}
+
+void ShmGroup::release(const void* ptr) {
+  std::lock_guard<std::mutex> lk(regMu_);
+  for (auto it = owned_.begin(); it != owned_.end(); ++it) {
+    if (it->seg->data() != ptr) continue;
+    auto& e = ctrl(rank_)->slots[it->slot];
+    e.live.store(0, std::memory_order_release);
+    e.gen.fetch_add(1, std::memory_order_acq_rel);  // peers drop their mapping on next look
+    it->seg->unlink();
+    owned_.erase(it);  // the caller's reference keeps the mapping until it lets go
+    return;
+  }
+}
+
+ShmGroup::Region ShmGroup::locate(const void* p, size_t n) const {
+  std::lock_guard<std::mutex> lk(regMu_);
+  auto addr = reinterpret_cast<uintptr_t>(p);
+  for (const auto& o : owned_) {
+    auto base = reinterpret_cast<uintptr_t>(o.seg->data());
+    if (addr >= base && addr + n <= base + o.seg->size()) return Region{o.slot, o.gen, addr - base};
+  }
+  return Region{};
+}
+
+char* ShmGroup::resolve(int peer, const Region& r) {
+  if (peer == rank_) {
+    std::lock_guard<std::mutex> lk(regMu_);
+    for (const auto& o : owned_)
+      if (o.slot == r.slot && o.gen == r.gen) return o.seg->data() + r.offset;
+    throw CommError(CommErrorKind::Local, "registered buffer freed during an op");
+  }
+  if (mapped_.empty()) mapped_.resize(size_);
+  auto& table = mapped_[peer];
+  if (table.empty()) table.resize(kSlots);
+  MYCCL_CHECK(r.slot >= 0 && r.slot < kSlots, "shared memory: bad registered slot ", r.slot);
+  Mapped& m = table[r.slot];
+  if (!m.seg || m.gen != r.gen) {
+    m.seg.reset();
+    auto& e = ctrl(peer)->slots[r.slot];
+    // The owner keeps the buffer alive for the whole op, so gen and name are stable here.
+    MYCCL_CHECK(e.gen.load(std::memory_order_acquire) == r.gen && e.live.load(),
+                "shared memory: rank ", groupRanks_[peer], " freed a buffer it is using in this op");
+    std::string name(e.name, strnlen(e.name, sizeof(e.name)));
+    m.seg = ShmSegment::open(name, e.size);
+    m.gen = r.gen;
+    const uint64_t all = (size_ >= 64) ? ~uint64_t{0} : ((uint64_t{1} << size_) - 1);
+    const uint64_t before = e.mappedBy.fetch_or(uint64_t{1} << rank_);
+    if ((before | (uint64_t{1} << rank_)) == all) shm_unlink(name.c_str());  // last mapper removes the name
+  }
+  return m.seg->data() + r.offset;
+}
+
+void ShmGroup::packRegion(const Region& r, uint64_t* w) {
+  w[0] = static_cast<uint32_t>(r.slot) | (static_cast<uint64_t>(r.gen) << 32);
+  w[1] = r.offset;
+}
+
+ShmGroup::Region ShmGroup::unpackRegion(const uint64_t* w) {
+  return Region{static_cast<int32_t>(static_cast<uint32_t>(w[0])), static_cast<uint32_t>(w[0] >> 32), w[1]};
+}
+
+uint32_t ShmGroup::begin(const StepDesc& d, Deadline deadline) {
+  const uint32_t s = ++step_;
+  // Peers at step >= s-1 have finished reading everything of step s-2, whose buffers
+  // (same parity as s) this step may overwrite.
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    if (!reached(ctrl(r)->seq.load(std::memory_order_acquire), s - 1)) waitSlow(r, s - 1, deadline);
+  }
+  desc_ = d;
+  ctrl(rank_)->desc[s % 4] = d;
+  return s;
+}
+
+void ShmGroup::post(uint32_t step) {
+  Ctrl* c = ctrl(rank_);
+  c->seq.store(step, std::memory_order_release);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (c->waiters.load(std::memory_order_relaxed) > 0) futexWakeAll(&c->seq);
+}
+
+void ShmGroup::wait(int peer, uint32_t step, Deadline deadline) {
+  if (!reached(ctrl(peer)->seq.load(std::memory_order_acquire), step)) waitSlow(peer, step, deadline);
+  checkDesc(peer, step);
+}
+
+void ShmGroup::waitAll(uint32_t step, Deadline deadline) {
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) wait(r, step, deadline);
+}
+
+void ShmGroup::checkDesc(int peer, uint32_t step) const {
+  const StepDesc& theirs = ctrl(peer)->desc[step % 4];
+  if (theirs.op == desc_.op && theirs.arg == desc_.arg) return;
+  auto name = [&](const StepDesc& d) {
+    if (describer_) return describer_(d);
+    std::ostringstream os;
+    os << "op 0x" << std::hex << d.op << " (arg 0x" << d.arg << ")";
+    return os.str();
+  };
+  throw CommError(CommErrorKind::Protocol,
+                  "rank " + std::to_string(groupRanks_[peer]) + " is running " + name(theirs) +
+                      " while this rank runs " + name(desc_),
+                  groupRanks_[peer]);
+}
+
+void ShmGroup::waitSlow(int peer, uint32_t step, Deadline deadline) {
+  Ctrl* c = ctrl(peer);
+  auto ok = [&] { return reached(c->seq.load(std::memory_order_acquire), step); };
+  if (yieldFirst_) {
+    for (int i = 0; i < 32; ++i) {
+      if (ok()) return;
+      sched_yield();
+    }
+  } else if (spinNs_ > 0) {
+    const auto until = Clock::now() + std::chrono::nanoseconds(spinNs_);
+    do {
+      for (int i = 0; i < 128; ++i) {
+        if (ok()) return;
+        cpuRelax();
+      }
+    } while (Clock::now() < until);
+  }
+  for (;;) {
+    if (ok()) return;
+    if (aborted_.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> lk(abortMu_);
+      throw CommError(CommErrorKind::Aborted, abortReason_, -1);
+    }
+    if (monitor_) {
+      std::string why = monitor_(groupRanks_[peer]);
+      if (!why.empty()) throw CommError(CommErrorKind::PeerGone, why, groupRanks_[peer]);
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) throw CommError(CommErrorKind::Timeout, "timed out", groupRanks_[peer]);
+    c->waiters.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t v = c->seq.load(std::memory_order_seq_cst);
+    if (!reached(v, step)) {
+      auto slice = std::min<std::chrono::nanoseconds>(std::chrono::milliseconds(20), deadline - now);
+      futexWait(&c->seq, v, slice);
+    }
+    c->waiters.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+void ShmGroup::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lk(abortMu_);
+    if (aborted_.load()) return;
+    abortReason_ = why;
+    aborted_.store(true, std::memory_order_release);
+  }
+  // Wake our own sleepers; they notice `aborted_` (other processes notice through TCP).
+  for (int r = 0; r < size_; ++r)
+    if (bases_[r]) futexWakeAll(&ctrl(r)->seq);
+}
+
+}  // namespace myccl::cpu

@@ -1,0 +1,175 @@
+"""Shared memory: zero-copy tensors from allocate_tensor, shared tensors, segments never left
+in /dev/shm, and ranks that disagree about an op getting an error instead of wrong bytes."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from expect import make, reduce_all
+
+
+def _backend():
+    return dist.group.WORLD._get_backend(torch.device("cpu"))
+
+
+def _shm_segments():
+    return sorted(glob.glob("/dev/shm/myccl-*"))
+
+
+def body_zero_copy(ctx):
+    import c10d_ext
+
+    ctx.init()
+    be = _backend()
+    n, r = ctx.size, ctx.rank
+    assert be.uses_shared_memory and be.supports_tensor_alloc(torch.device("cpu"))
+    failures = []
+    cpu = torch.device("cpu")
+    for dtype, numel in [(torch.float32, 300_001), (torch.bfloat16, 1 << 20), (torch.int64, 100_000)]:
+        xs = [make(q, (numel,), dtype, 5) for q in range(n)]
+        t = be.allocate_tensor(numel, dtype=dtype, device=cpu)
+        if t.shape != (numel,) or t.dtype != dtype:
+            failures.append(f"allocate_tensor gave {t.shape} {t.dtype}")
+        t.copy_(xs[r])
+        dist.all_reduce(t)
+        if not torch.equal(t, reduce_all(xs, "SUM")):
+            failures.append(f"zero-copy all_reduce {dtype}")
+        t.copy_(xs[r])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if not torch.equal(t, reduce_all(xs, "MAX")):
+            failures.append(f"zero-copy all_reduce MAX {dtype}")
+        t.copy_(xs[r])
+        dist.broadcast(t, src=n - 1)
+        if not torch.equal(t, xs[n - 1]):
+            failures.append(f"zero-copy broadcast {dtype}")
+        out = be.allocate_tensor(numel * n, dtype=dtype, device=cpu)
+        t.copy_(xs[r])
+        dist.all_gather_into_tensor(out, t)
+        if not torch.equal(out, torch.cat(xs)):
+            failures.append(f"zero-copy all_gather {dtype}")
+        blk = numel // n
+        rs_out = torch.empty(blk, dtype=dtype)
+        dist.reduce_scatter_tensor(rs_out, t[: blk * n])
+        want = reduce_all([x[: blk * n] for x in xs], "SUM")[r * blk:(r + 1) * blk]
+        if not torch.equal(rs_out, want):
+            failures.append(f"zero-copy reduce_scatter {dtype}")
+    # Mixed: only some ranks use registered memory -> staged path, same results.
+    x = make(r, (400_000,), torch.float32, 9)
+    t = be.allocate_tensor(400_000, dtype=torch.float32, device=cpu) if r % 2 == 0 else torch.empty(400_000)
+    t.copy_(x)
+    dist.all_reduce(t)
+    if not torch.equal(t, reduce_all([make(q, (400_000,), torch.float32, 9) for q in range(n)], "SUM")):
+        failures.append("mixed registered/unregistered all_reduce")
+    st = c10d_ext.stats()
+    algos = {k for k in st if k.endswith("shm-zero-copy")}
+    for op in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        if f"{op}/shm-zero-copy" not in algos:
+            failures.append(f"{op} never took the zero-copy path: {sorted(st)}")
+    if "all_reduce/shm-reduce-scatter-all-gather" not in st:
+        failures.append(f"the mixed all_reduce should have been staged: {sorted(st)}")
+    # A freed tensor's slot is reused: allocate many, free, allocate again.
+    for _ in range(3):
+        ts = [be.allocate_tensor(1000, dtype=torch.float32, device=cpu) for _ in range(20)]
+        for q, tt in enumerate(ts):
+            tt.fill_(q + r)
+        dist.all_reduce(ts[-1])
+        del ts
+    return failures
+
+
+def body_shared_tensor(ctx):
+    import c10d_ext
+
+    ctx.init()
+    r, n = ctx.rank, ctx.size
+    t = c10d_ext.shared_tensor((n, 1000), torch.float64)
+    failures = []
+    if not torch.equal(t, torch.zeros(n, 1000, dtype=torch.float64)):
+        failures.append("shared tensor not zero-filled")
+    dist.barrier()  # everybody has looked before anybody writes
+    t[r].fill_(r + 1)  # each rank writes its own row
+    dist.barrier()
+    want = torch.arange(1, n + 1, dtype=torch.float64).unsqueeze(1).expand(n, 1000)
+    if not torch.equal(t, want):
+        failures.append(f"rank {r} does not see the others' writes")
+    t2 = c10d_ext.shared_tensor(17, torch.int32)
+    if r == 0:
+        t2.copy_(torch.arange(17, dtype=torch.int32))
+    dist.barrier()
+    if not torch.equal(t2, torch.arange(17, dtype=torch.int32)):
+        failures.append("second shared tensor wrong")
+    dist.barrier()
+    return failures
+
+
+def body_leftovers(ctx):
+    ctx.init()
+    x = torch.ones(1 << 20)
+    dist.all_reduce(x)
+    be = _backend()
+    y = be.allocate_tensor(1 << 20, dtype=torch.float32, device=torch.device("cpu"))
+    dist.all_reduce(y)
+    dist.barrier()
+    during = _shm_segments()
+    dist.destroy_process_group()
+    return during
+
+
+def body_disagree(ctx):
+    """Rank 0 runs all_reduce, the others all_gather, on the same sequence number."""
+    ctx.init(timeout=20)
+    x = torch.ones(1000)
+    try:
+        if ctx.rank == 0:
+            dist.all_reduce(x)
+        else:
+            out = torch.empty(1000 * ctx.size)
+            dist.all_gather_into_tensor(out, x)
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "no error"
+
+
+def body_disagree_size(ctx):
+    ctx.init(timeout=20)
+    x = torch.ones(1000 + ctx.rank)
+    try:
+        dist.all_reduce(x)
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_zero_copy(run, size):
+    failures = [f for fs in run(size, body_zero_copy, timeout=180) for f in fs]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_shared_tensor(run, size):
+    failures = [f for fs in run(size, body_shared_tensor) for f in fs]
+    assert not failures, failures
+
+
+def test_nothing_left_in_dev_shm(run):
+    before = set(_shm_segments())
+    during = run(3, body_leftovers)
+    # Names are unlinked as soon as every rank mapped them, even while the group lives.
+    assert all(set(d) <= before for d in during), during
+    assert set(_shm_segments()) <= before
+
+
+@pytest.mark.parametrize("body", [body_disagree, body_disagree_size])
+def test_ranks_that_disagree_get_an_error(run, body):
+    msgs = run(2, body, timeout=60)
+    assert all(m != "no error" for m in msgs), msgs
+    # The rank that detects it names the other rank and both ops.
+    joined = "\n".join(msgs)
+    assert "myccl" in joined
+    assert "while this rank runs" in joined or "disagree" in joined or "expects" in joined, joined
