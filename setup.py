@@ -150,7 +150,7 @@ setup(
     name="c10d_ext",
     version="0.1.0",
     description="myccl: a fast, debuggable torch.distributed backend (shared memory / TCP on CPU, NCCL on CUDA)",
-    packages=["c10d_ext"],
+    packages=["c10d_ext", "c10d_ext.trace"],
     python_requires=">=3.10",
     ext_modules=[
         CppExtension(

@@ -31,7 +31,9 @@ if _minor(torch.__version__) != _BUILD_INFO["torch_minor"]:
 import torch.distributed as dist  # noqa: E402
 
 from . import _C  # noqa: E402
+from . import trace  # noqa: E402
 from .backend import Options, create_backend  # noqa: E402
+from .config import parse_env as _parse_env  # noqa: E402
 
 BACKEND_NAME = "myccl"
 
@@ -39,6 +41,11 @@ if BACKEND_NAME not in dist.Backend.backend_list:
     dist.Backend.register_backend(
         BACKEND_NAME, create_backend, extended_api=True, devices=["cpu", "cuda"]
     )
+
+
+_env = _parse_env()
+if _env["trace"]:
+    trace.start(_env["trace"])
 
 
 def build_info() -> dict:

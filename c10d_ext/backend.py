@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 from . import _C
-from .config import BY_FIELD, parse_env
+from .config import BY_FIELD, GROUP_FIELDS, parse_env
 
 
 class Options:
@@ -17,7 +17,7 @@ class Options:
     ``c10d_ext.config``). Unknown fields raise, so a typo never silently does nothing.
     """
 
-    __slots__ = tuple(BY_FIELD)
+    __slots__ = tuple(GROUP_FIELDS)
 
     def __init__(self, **fields: Any) -> None:
         for name in self.__slots__:
@@ -26,9 +26,9 @@ class Options:
             setattr(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in BY_FIELD:
+        if name not in GROUP_FIELDS:
             raise AttributeError(
-                f"myccl: Options has no field {name!r}; known fields: {', '.join(sorted(BY_FIELD))}"
+                f"myccl: Options has no field {name!r}; known fields: {', '.join(sorted(GROUP_FIELDS))}"
             )
         object.__setattr__(self, name, value)
 
@@ -54,8 +54,8 @@ def make_config(options: Options | None = None, environ: dict | None = None) -> 
                 except ValueError as e:
                     raise ValueError(f"myccl: Options.{field}={v!r} is invalid: {e}") from None
     cfg = _C.Config()
-    for field, value in values.items():
-        setattr(cfg, field, value)
+    for field in GROUP_FIELDS:
+        setattr(cfg, field, values[field])
     cfg.master_addr = os.environ.get("MASTER_ADDR", "")
     return cfg
 

@@ -19,6 +19,7 @@ class Var:
     parse: Callable[[str], Any]
     default: Any
     meaning: str
+    cpp: bool = True  # False: read by the Python side only (not a per-group option)
 
 
 def _bool(s: str) -> bool:
@@ -98,6 +99,15 @@ VARS: list[Var] = [
         "size of each of the two shared-memory staging buffers per rank (the pipeline chunk)"),
     Var("MYCCL_SPIN_US", "spin_us", _int(-1), -1,
         "how long a waiting thread spins before sleeping, in microseconds (-1: adapt to ranks per core)"),
+    Var("MYCCL_FLIGHT_RECORDER", "flight_recorder_entries", _int(0), 128,
+        "ops each group remembers for the flight recorder (0 turns it off); dumped on a timeout, "
+        "a fatal error, SIGUSR1 or c10d_ext.trace.dump()"),
+    Var("MYCCL_FLIGHT_RECORDER_DUMP", "flight_recorder_dump", _str, "/tmp/myccl_flight_recorder",
+        "directory for flight recorder dumps (one JSON file per group and rank)"),
+    Var("MYCCL_TRACE", "trace", _str, "",
+        "path prefix: write a Chrome-trace timeline per rank to <prefix>.rank<R>.json at exit", cpp=False),
+    Var("MYCCL_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "warning",
+        "level of the 'c10d_ext' Python logger (C++ messages are routed there)", cpp=False),
     Var("MYCCL_BLOCKING_WAIT", "blocking_wait", _bool, False,
         "CUDA: Work.wait() blocks the host and raises on timeout instead of ordering streams"),
     Var("MYCCL_AVOID_RECORD_STREAMS", "avoid_record_streams", _bool, False,
@@ -108,6 +118,7 @@ VARS: list[Var] = [
 
 BY_NAME = {v.name: v for v in VARS}
 BY_FIELD = {v.field: v for v in VARS}
+GROUP_FIELDS = [v.field for v in VARS if v.cpp]
 
 
 def parse_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:

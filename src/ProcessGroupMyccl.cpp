@@ -73,6 +73,34 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
   }
 }
 
+// torch's Python names ("float32"), which is what users read in traces and errors.
+std::string dtypeName(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kBool: return "bool";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    default: return c10::toString(st);
+  }
+}
+
+// What the flight recorder, traces and cross-rank checks say about an op.
+void annotate(OpInfo& i, const at::Tensor& t, int64_t root, const char* redop) {
+  i.dtype = dtypeName(t.scalar_type());
+  i.shape = shapeOf(t);
+  i.bytes = static_cast<uint64_t>(t.numel()) * t.element_size();
+  i.root = root;
+  if (redop) i.redop = redop;
+}
+
 }  // namespace
 
 MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -131,11 +159,15 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     MYCCL_CHECK_ARG(cfg_.transport != "shm" || size == 1, "init (rank ", rank,
                     "): MYCCL_TRANSPORT=shm but the group spans ", topo_.crossSize, " hosts");
   }
-  cpu_ = std::make_unique<cpu::CpuEngine>(std::move(transport), std::move(shm), rank, size, group_, cfg_);
+  recorder_ = std::make_shared<Recorder>(group_, rank, size, static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)));
+  RecorderRegistry::get().add(recorder_);
+  if (cfg_.flightRecorderEntries > 0) RecorderRegistry::get().installSignalHandler(cfg_.flightRecorderDump);
+  cpu_ = std::make_unique<cpu::CpuEngine>(std::move(transport), std::move(shm), rank, size, group_, cfg_, recorder_);
   init();
 }
 
 MycclBackend::~MycclBackend() {
+  if (recorder_) RecorderRegistry::get().retire(recorder_);
   if (!shutdown_.exchange(true)) {
     // Destroyed without shutdown(): stop threads and sockets without waiting for peers.
     if (cpu_) cpu_->abort("process group destroyed");
@@ -371,6 +403,7 @@ WorkRef MycclBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::Br
   MYCCL_CHECK_ARG(opts.rootTensor == 0, w, ": rootTensor must be 0, got ", opts.rootTensor);
   checkWritable(w, t, "tensor");
   auto i = info(OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp);
+  annotate(i, t, opts.rootRank, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("broadcast").broadcast(std::move(i), t, opts.rootRank, opts.asyncOp));
 #endif
@@ -385,6 +418,7 @@ WorkRef MycclBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::Al
   checkWritable(w, tensors[0], "tensor");
   auto red = reduction("all_reduce", tensors[0], opts.reduceOp);
   auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout, opts.asyncOp);
+  annotate(i, tensors[0], -1, reduceOpName(opts.reduceOp.op_));
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_reduce").allreduce(std::move(i), tensors, red, opts.asyncOp));
 #endif
@@ -442,6 +476,7 @@ WorkRef MycclBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors, cons
   }
   auto red = reduction("all_reduce_coalesced", tensors[0], opts.reduceOp);
   auto i = info(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", opts.timeout, opts.asyncOp);
+  annotate(i, tensors[0], -1, reduceOpName(opts.reduceOp.op_));
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_reduce_coalesced").allreduce(std::move(i), tensors, red, opts.asyncOp));
 #endif
@@ -457,6 +492,7 @@ WorkRef MycclBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::Reduc
   if (rank_ == opts.rootRank) checkWritable(w, t, "tensor");
   auto red = reduction("reduce", t, opts.reduceOp);
   auto i = info(OpType::REDUCE, "reduce", opts.timeout, opts.asyncOp);
+  annotate(i, t, opts.rootRank, reduceOpName(opts.reduceOp.op_));
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("reduce").reduce(std::move(i), t, red, opts.rootRank, opts.asyncOp));
 #endif
@@ -481,6 +517,7 @@ WorkRef MycclBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, s
   MYCCL_CHECK_ARG(outs[rank_].numel() == in.numel(), w, ": output ", rank_, " (this rank's block) has ",
                   outs[rank_].numel(), " elements but the input has ", in.numel());
   auto i = info(OpType::ALLGATHER, "all_gather", opts.timeout, opts.asyncOp);
+  annotate(i, in, -1, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_gather").allgather(std::move(i), {in}, {outs}, opts.asyncOp));
 #endif
@@ -497,6 +534,7 @@ WorkRef MycclBackend::_allgather_base(at::Tensor& output, at::Tensor& input, con
                   input.numel() * size_);
   auto outs = blocks(w, output, size_, input.numel(), "output");
   auto i = info(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", opts.timeout, opts.asyncOp);
+  annotate(i, input, -1, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_gather_into_tensor").allgather(std::move(i), {input}, {outs}, opts.asyncOp));
 #endif
@@ -529,6 +567,7 @@ WorkRef MycclBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& 
                     per[k][rank_].numel(), " elements but input ", k, " has ", inputs[k].numel());
   }
   auto i = info(OpType::ALLGATHER_COALESCED, "all_gather_coalesced", opts.timeout, opts.asyncOp);
+  annotate(i, inputs[0], -1, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_gather_coalesced").allgather(std::move(i), inputs, per, opts.asyncOp));
 #endif
@@ -552,6 +591,7 @@ WorkRef MycclBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& o
     per.push_back(blocks(w, outputs[k], size_, inputs[k].numel(), "output"));
   }
   auto i = info(OpType::ALLGATHER_INTO_TENSOR_COALESCED, "all_gather_into_tensor_coalesced", opts.timeout, opts.asyncOp);
+  annotate(i, inputs[0], -1, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_gather_into_tensor_coalesced").allgather(std::move(i), inputs, per, opts.asyncOp));
 #endif
@@ -583,6 +623,7 @@ WorkRef MycclBackend::gather(std::vector<std::vector<at::Tensor>>& outputs, std:
   }
   [[maybe_unused]] const bool cuda = isCuda("gather", all);
   auto i = info(OpType::GATHER, "gather", opts.timeout, opts.asyncOp);
+  annotate(i, in, opts.rootRank, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("gather").gather(std::move(i), in, outs, opts.rootRank, opts.asyncOp));
 #endif
@@ -612,6 +653,7 @@ WorkRef MycclBackend::scatter(std::vector<at::Tensor>& outputs, std::vector<std:
   }
   [[maybe_unused]] const bool cuda = isCuda("scatter", all);
   auto i = info(OpType::SCATTER, "scatter", opts.timeout, opts.asyncOp);
+  annotate(i, out, opts.rootRank, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("scatter").scatter(std::move(i), ins, out, opts.rootRank, opts.asyncOp));
 #endif
@@ -635,6 +677,7 @@ WorkRef MycclBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vect
                   " elements but the output has ", out.numel());
   auto red = reduction("reduce_scatter", out, opts.reduceOp);
   auto i = info(OpType::REDUCE_SCATTER, "reduce_scatter", opts.timeout, opts.asyncOp);
+  annotate(i, out, -1, reduceOpName(opts.reduceOp.op_));
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("reduce_scatter").reduceScatter(std::move(i), {ins}, {out}, red, opts.asyncOp));
 #endif
@@ -653,6 +696,7 @@ WorkRef MycclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input
   auto red = reduction("reduce_scatter_tensor", output, opts.reduceOp);
   auto ins = blocks(w, input, size_, output.numel(), "input");
   auto i = info(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", opts.timeout, opts.asyncOp);
+  annotate(i, input, -1, reduceOpName(opts.reduceOp.op_));
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("reduce_scatter_tensor").reduceScatter(std::move(i), {ins}, {output}, red, opts.asyncOp));
 #endif
@@ -678,6 +722,7 @@ WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& o
   }
   auto red = reduction("reduce_scatter_tensor_coalesced", outputs[0], opts.reduceOp);
   auto i = info(OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced", opts.timeout, opts.asyncOp);
+  annotate(i, inputs[0], -1, reduceOpName(opts.reduceOp.op_));
 #ifdef MYCCL_WITH_NCCL
   if (cuda)
     return record(nccl("reduce_scatter_tensor_coalesced").reduceScatter(std::move(i), per, outputs, red, opts.asyncOp));
@@ -723,6 +768,7 @@ WorkRef MycclBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::
   MYCCL_CHECK_ARG(ins[rank_].numel() == outs[rank_].numel(), w, ": this rank sends ", ins[rank_].numel(),
                   " elements to itself but expects ", outs[rank_].numel());
   auto i = info(OpType::ALLTOALL_BASE, "all_to_all_single", opts.timeout, opts.asyncOp);
+  annotate(i, input, -1, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_to_all_single").alltoall(std::move(i), ins, outs, opts.asyncOp));
 #endif
@@ -745,6 +791,7 @@ WorkRef MycclBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at:
   MYCCL_CHECK_ARG(inputs[rank_].numel() == outputs[rank_].numel(), w, ": this rank sends ", inputs[rank_].numel(),
                   " elements to itself but expects ", outputs[rank_].numel());
   auto i = info(OpType::ALLTOALL, "all_to_all", opts.timeout, opts.asyncOp);
+  annotate(i, inputs[0], -1, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_to_all").alltoall(std::move(i), inputs, outputs, opts.asyncOp));
 #endif
@@ -768,6 +815,7 @@ WorkRef MycclBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int ta
   [[maybe_unused]] const bool cuda = isCuda("send", tensors);
   checkPeer(w, dstRank, rank_, size_);
   auto i = info(OpType::SEND, "send", c10d::kUnsetTimeout, true, true);
+  annotate(i, t, dstRank, nullptr);
   i.op = "send to " + std::to_string(dstRank) + " tag " + std::to_string(tag);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("send").send(std::move(i), t, dstRank));
@@ -782,6 +830,7 @@ WorkRef MycclBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int ta
   checkPeer(w, srcRank, rank_, size_);
   checkWritable(w, t, "tensor");
   auto i = info(OpType::RECV, "recv", c10d::kUnsetTimeout, true, true);
+  annotate(i, t, srcRank, nullptr);
   i.op = "recv from " + std::to_string(srcRank) + " tag " + std::to_string(tag);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("recv").recv(std::move(i), t, srcRank));
@@ -797,6 +846,7 @@ WorkRef MycclBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   MYCCL_CHECK_ARG(size_ > 1, w, ": a group of one rank has nobody to receive from");
   checkWritable(w, t, "tensor");
   auto i = info(OpType::RECVANYSOURCE, "recv_any_source", c10d::kUnsetTimeout, true, true);
+  annotate(i, t, -1, nullptr);
   i.op = "recv from any tag " + std::to_string(tag);
   return record(cpu_->recvAny(std::move(i), t, tag));
 }

@@ -37,8 +37,8 @@ struct Config {
   // CUDA: take a high-priority stream from torch's pool.
   bool highPriorityStream = false;
   // Flight recorder ring size per group (0 = off) and dump location prefix.
-  int64_t flightRecorderEntries = 0;
-  std::string flightRecorderDump;
+  int64_t flightRecorderEntries = 128;
+  std::string flightRecorderDump = "/tmp/myccl_flight_recorder";
 };
 
 }  // namespace myccl

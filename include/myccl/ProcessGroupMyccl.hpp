@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "myccl/Config.hpp"
+#include "myccl/Recorder.hpp"
 #include "myccl/Reduction.hpp"
 #include "myccl/Topology.hpp"
 #include "myccl/Work.hpp"
@@ -102,6 +103,7 @@ class MycclBackend final : public c10d::Backend {
   // (op, algorithm, count, bytes, seconds) for every op run so far on CPU.
   std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> stats() const;
   void resetStats();
+  const std::shared_ptr<Recorder>& recorder() const { return recorder_; }
 
  private:
   OpInfo info(c10d::OpType type, const char* op, std::chrono::milliseconds timeout, bool asyncOp = true,
@@ -121,6 +123,7 @@ class MycclBackend final : public c10d::Backend {
   std::string keyPrefix_;  // this incarnation's key space in the store
   std::atomic<uint64_t> sharedCount_{0};
   Topology topo_;
+  std::shared_ptr<Recorder> recorder_;
   std::unique_ptr<cpu::CpuEngine> cpu_;
   std::shared_ptr<cuda::NcclEngine> nccl_;  // shared_ptr: complete type not needed without NCCL
   std::mutex ncclMu_;

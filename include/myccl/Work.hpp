@@ -24,6 +24,12 @@ struct OpInfo {
   std::string group;  // group name
   std::chrono::milliseconds timeout{0};
   bool asyncOp = true;  // false: the caller waits at once (the engine may run it inline)
+  // What the op is about, for the flight recorder, traces and cross-rank checks.
+  std::string dtype;
+  std::string shape;
+  std::string redop;
+  uint64_t bytes = 0;
+  int64_t root = -1;
 
   // "all_reduce #12 (rank 0, group 'default_pg')"
   std::string describe() const;

@@ -45,9 +45,9 @@ at::Tensor privateCopy(const at::Tensor& t) {
 }  // namespace
 
 CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, int rank, int size,
-                     std::string group, const Config& cfg)
+                     std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder)
     : transport_(std::move(transport)), shm_(std::move(shm)), rank_(rank), size_(size), group_(std::move(group)),
-      cfg_(cfg) {
+      cfg_(cfg), recorder_(std::move(recorder)) {
   if (shm_) {
     // A peer that dies never posts again; its TCP link (closed by the kernel) says so at once.
     std::weak_ptr<Transport> tp = transport_;
@@ -71,6 +71,15 @@ CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGr
       return os.str();
     });
   }
+  // When a peer fails, dump what this rank was doing: with every survivor's dump,
+  // `python -m c10d_ext.trace analyze` can tell who was where.
+  std::weak_ptr<Recorder> rec = recorder_;
+  const std::string dumpDir = cfg_.flightRecorderDump;
+  auto dumped = std::make_shared<std::atomic<bool>>(false);
+  transport_->setPeerFailedCallback([rec, dumpDir, dumped](int peer, const std::string& why) {
+    auto r = rec.lock();
+    if (r && !dumped->exchange(true)) r->dumpTo(dumpDir, "peer rank " + std::to_string(peer) + " failed: " + why);
+  });
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -102,7 +111,7 @@ void CpuEngine::checkUsable(const OpInfo& info) const {
 
 CpuEngine::WorkPtr CpuEngine::enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body) {
   checkUsable(w->info());
-  Op op{w, code, std::move(body)};
+  Op op{w, code, std::move(body), recorder_->queued(w->info(), false)};
   bool inlineRun = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -159,11 +168,13 @@ void CpuEngine::runOp(Op& op) {
     earlier = failure_;
   }
   if (!earlier.empty()) {
+    recorder_->ended(op.record, nullptr, nullptr, 0, "not run: the group failed earlier");
     op.work->markDone(makeDistError("myccl: " + op.work->info().describe() + ": not run, the group failed earlier: " +
                                     earlier));
     return;
   }
   op.work->markStarted();
+  recorder_->started(op.record);
   const auto& info = op.work->info();
   CollCtx ctx{*transport_, rank_, size_, collectiveTagBase(static_cast<uint8_t>(op.code), info.seq),
               Clock::now() + info.timeout, scratch_,
@@ -173,10 +184,15 @@ void CpuEngine::runOp(Op& op) {
     op.body(ctx);
     stats_->add(profilingTitle(info.type) + 6, ctx.algo, ctx.bytes,
                 std::chrono::duration<double>(Clock::now() - t0).count());
+    recorder_->ended(op.record, ctx.algo, shm_ ? "shm" : transport_->name(), ctx.bytes, "");
     op.work->markDone();
   } catch (const std::exception& e) {
     bool timeout = false;
     std::string msg = describeFailure(op, e, timeout);
+    recorder_->ended(op.record, ctx.algo, shm_ ? "shm" : transport_->name(), ctx.bytes, msg);
+    // The last ops of this group, for `python -m c10d_ext.trace analyze`.
+    std::string dumped = recorder_->dumpTo(cfg_.flightRecorderDump, msg);
+    if (!dumped.empty()) msg += " [flight recorder: " + dumped + "]";
     failGroup(msg, timeout);
     op.work->markDone(makeDistError("myccl: " + msg));
   }
@@ -225,8 +241,9 @@ void CpuEngine::failGroup(const std::string& why, bool timeout) {
   }
   // Closing stops all I/O (no late message can land in a buffer) and tells peers at once.
   if (shm_) shm_->abort(why);
-  transport_->close(why);
+  transport_->close(why, /*failure=*/true);
   for (auto& op : dropped) {
+    recorder_->ended(op.record, nullptr, nullptr, 0, "not run: the group failed");
     op.work->markDone(makeDistError("myccl: " + op.work->info().describe() + ": not run, the group failed: " + why));
   }
 }
@@ -493,17 +510,27 @@ namespace {
 
 // Runs inside the request's own completion (so `req` is alive); captures no RequestPtr, which
 // would keep a withdrawn request alive forever through its own callback.
+struct P2PDone {
+  std::shared_ptr<Stats> stats;
+  std::shared_ptr<Recorder> recorder;
+  uint64_t record;
+  const char* transport;
+};
+
 void finishP2P(const c10::intrusive_ptr<MycclWork>& w, const Request& req, const std::function<void()>& onOk,
-               const std::shared_ptr<Stats>& stats, const char* algo) {
+               const P2PDone& d) {
   try {
     req.rethrow();
     if (onOk) onOk();
-    stats->add(profilingTitle(w->info().type) + 6, algo, req.nbytes(),
-               std::chrono::duration<double>(Clock::now() - w->startTime()).count());
+    d.stats->add(profilingTitle(w->info().type) + 6, d.transport, req.nbytes(),
+                 std::chrono::duration<double>(Clock::now() - w->startTime()).count());
+    d.recorder->ended(d.record, "p2p", d.transport, req.nbytes(), "");
     w->setSourceRank(req.source());
     w->markDone();
   } catch (const std::exception& e) {
-    w->markDone(makeDistError("myccl: " + w->info().describe() + " failed: " + e.what()));
+    std::string msg = "myccl: " + w->info().describe() + " failed: " + e.what();
+    d.recorder->ended(d.record, "p2p", d.transport, req.nbytes(), msg);
+    w->markDone(makeDistError(msg));
   }
 }
 
@@ -527,7 +554,8 @@ CpuEngine::WorkPtr CpuEngine::send(OpInfo info, at::Tensor t, int peer, int tag)
   w->setCanceller([] { return false; });
   w->markStarted();
   auto req = transport_->isend(peer, p2pTag(tag), c.data_ptr(), c.numel() * c.element_size());
-  req->onDone([w, r = req.get(), c, st = stats_, algo = transport_->name()] { finishP2P(w, *r, nullptr, st, algo); });
+  P2PDone d{stats_, recorder_, recorder_->queued(w->info(), true), transport_->name()};
+  req->onDone([w, r = req.get(), c, d] { finishP2P(w, *r, nullptr, d); });
   return w;
 }
 
@@ -538,9 +566,8 @@ CpuEngine::WorkPtr CpuEngine::recv(OpInfo info, at::Tensor t, int peer, int tag)
   w->markStarted();
   auto req = transport_->irecv(peer, p2pTag(tag), s.ptr(), s.nbytes());
   w->setCanceller(canceller(transport_, req));
-  req->onDone([w, r = req.get(), s, st = stats_, algo = transport_->name()] {
-    finishP2P(w, *r, [s] { s.commit(); }, st, algo);
-  });
+  P2PDone d{stats_, recorder_, recorder_->queued(w->info(), true), transport_->name()};
+  req->onDone([w, r = req.get(), s, d] { finishP2P(w, *r, [s] { s.commit(); }, d); });
   return w;
 }
 
@@ -554,9 +581,8 @@ CpuEngine::WorkPtr CpuEngine::recvAny(OpInfo info, at::Tensor t, int tag) {
   w->markStarted();
   auto req = transport_->irecvAny(peers, p2pTag(tag), s.ptr(), s.nbytes());
   w->setCanceller(canceller(transport_, req));
-  req->onDone([w, r = req.get(), s, st = stats_, algo = transport_->name()] {
-    finishP2P(w, *r, [s] { s.commit(); }, st, algo);
-  });
+  P2PDone d{stats_, recorder_, recorder_->queued(w->info(), true), transport_->name()};
+  req->onDone([w, r = req.get(), s, d] { finishP2P(w, *r, [s] { s.commit(); }, d); });
   return w;
 }
 

@@ -19,6 +19,27 @@ namespace py = pybind11;
 
 namespace {
 
+py::dict recordToDict(const myccl::OpRecord& r) {
+  static const char* states[] = {"queued", "started", "completed", "failed"};
+  py::dict d;
+  d["seq"] = r.seq;
+  d["op"] = r.op;
+  d["p2p"] = r.p2p;
+  d["dtype"] = r.dtype;
+  d["shape"] = r.shape;
+  d["bytes"] = r.bytes;
+  d["root"] = r.root;
+  d["redop"] = r.redop;
+  d["algorithm"] = r.algo;
+  d["transport"] = r.transport;
+  d["state"] = states[static_cast<int>(r.state)];
+  d["queued_us"] = r.queuedUs;
+  d["started_us"] = r.startedUs;
+  d["ended_us"] = r.endedUs;
+  d["error"] = r.error;
+  return d;
+}
+
 // Holder that drops the GIL while the backend is destroyed: destruction joins our threads,
 // and one of them may be running a Python future callback that needs the GIL.
 template <typename T>
@@ -141,6 +162,18 @@ PYBIND11_MODULE(_C, m) {
       .def("describe_links", &myccl::MycclBackend::describeLinks)
       .def("shared_tensor", &myccl::MycclBackend::sharedTensor, py::arg("shape"), py::arg("dtype"),
            py::call_guard<py::gil_scoped_release>())
+      .def("flight_recorder",
+           [](const myccl::MycclBackend& b) {
+             py::list out;
+             for (auto& r : b.recorder()->flight()) out.append(recordToDict(r));
+             return out;
+           })
+      .def(
+          "dump_flight_recorder",
+          [](const myccl::MycclBackend& b, const std::string& dir, const std::string& reason) {
+            return b.recorder()->dumpTo(dir, reason);
+          },
+          py::arg("dir"), py::arg("reason") = "requested")
       .def("stats", &myccl::MycclBackend::stats)
       .def("reset_stats", &myccl::MycclBackend::resetStats);
 
@@ -160,6 +193,26 @@ PYBIND11_MODULE(_C, m) {
 #endif
     return d;
   });
+
+  m.def("set_tracing", &myccl::Recorder::setTracing);
+  m.def("tracing", &myccl::Recorder::tracing);
+  // Every finished op of every group (also destroyed ones) since the last drain.
+  m.def("drain_trace", []() {
+    py::list out;
+    for (auto& rec : myccl::RecorderRegistry::get().all()) {
+      auto events = rec->drainTrace();
+      if (events.empty()) continue;
+      py::list evs;
+      for (auto& r : events) evs.append(recordToDict(r));
+      out.append(py::make_tuple(rec->group(), rec->rank(), evs));
+    }
+    return out;
+  });
+  m.def(
+      "dump_all_flight_recorders",
+      [](const std::string& dir, const std::string& reason) { return myccl::RecorderRegistry::get().dumpAll(dir, reason); },
+      py::arg("dir"), py::arg("reason") = "requested");
+  m.def("now_us", &myccl::Recorder::nowUs);
 
   m.def("host_identity", [](const std::string& override) { return myccl::cpu::hostIdentity(override); },
         py::arg("override") = "");

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "myccl/Config.hpp"
+#include "myccl/Recorder.hpp"
 #include "myccl/Work.hpp"
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/algorithms/Algorithms.hpp"
@@ -54,7 +55,7 @@ class CpuEngine {
   // `shm` is set when every rank of the group shares this host: collectives then go through
   // shared memory, point-to-point and liveness through `transport`.
   CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, int rank, int size,
-            std::string group, const Config& cfg);
+            std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder);
   ~CpuEngine();
 
   using WorkPtr = c10::intrusive_ptr<MycclWork>;
@@ -101,6 +102,7 @@ class CpuEngine {
     WorkPtr work;
     OpCode code;
     std::function<void(CollCtx&)> body;
+    uint64_t record = 0;  // flight recorder id
   };
   WorkPtr enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body);
   void loop();
@@ -117,6 +119,7 @@ class CpuEngine {
   const Config cfg_;
   Scratch scratch_;
   std::shared_ptr<Stats> stats_ = std::make_shared<Stats>();
+  std::shared_ptr<Recorder> recorder_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

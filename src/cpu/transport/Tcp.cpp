@@ -200,6 +200,8 @@ struct TcpTransport::Peer {
   bool discarding = false;
   std::vector<char> sink;
   bool readingGoodbye = false;
+  bool goodbyeIsFailure = false;
+  bool orderlyGoodbye = false;  // the peer said it shuts down normally
   std::string goodbye;
 };
 
@@ -855,6 +857,7 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
     p.targetLen = f.nbytes;
     p.inPayload = true;
     p.readingGoodbye = true;
+    p.goodbyeIsFailure = f.id == 1;
     return;
   }
   peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (unknown frame kind)", done);
@@ -866,7 +869,13 @@ void TcpTransport::finishRead(int peer, std::vector<std::function<void()>>& done
   p.inPayload = false;
   if (p.readingGoodbye) {
     p.readingGoodbye = false;
-    p.deadReason = "rank " + std::to_string(peer) + " left the group: " + p.goodbye;
+    p.deadReason = "rank " + std::to_string(peer) + (p.goodbyeIsFailure ? " failed: " : " left the group: ") + p.goodbye;
+    p.orderlyGoodbye = !p.goodbyeIsFailure;
+    if (p.goodbyeIsFailure && peerFailed_) {
+      auto cb = peerFailed_;
+      auto why = p.deadReason;
+      done.push_back([cb, peer, why] { cb(peer, why); });
+    }
     return;
   }
   if (p.discarding) {
@@ -895,6 +904,12 @@ void TcpTransport::finishRead(int peer, std::vector<std::function<void()>>& done
 void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done) {
   auto& p = *peers_[peer];
   if (p.dead) return;
+  // A peer that vanished without an orderly goodbye is a failure worth diagnosing (not when we
+  // are the ones closing, and not twice if it already said it failed).
+  if (!closed_ && !p.orderlyGoodbye && !p.goodbyeIsFailure && peerFailed_) {
+    auto cb = peerFailed_;
+    done.push_back([cb, peer, why] { cb(peer, why); });
+  }
   p.dead = true;
   p.deadReason = why;
   if (p.fd >= 0) {
@@ -943,7 +958,7 @@ void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vecto
   }
 }
 
-void TcpTransport::close(const std::string& reason) {
+void TcpTransport::close(const std::string& reason, bool failure) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;
@@ -959,6 +974,7 @@ void TcpTransport::close(const std::string& reason) {
       Frame f{};
       f.magicKind = kMagic << 8 | kGoodbye;
       f.nbytes = text.size();
+      f.id = failure ? 1 : 0;
       iovec iov[2] = {{&f, sizeof(f)}, {const_cast<char*>(text.data()), text.size()}};
       msghdr msg{};
       msg.msg_iov = iov;

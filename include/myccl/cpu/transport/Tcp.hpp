@@ -38,7 +38,7 @@ class TcpTransport final : public Transport {
   RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes) override;
   RequestPtr irecvAny(const std::vector<int>& peers, uint64_t tag, void* data,
                       size_t nbytes) override;
-  void close(const std::string& reason) override;
+  void close(const std::string& reason, bool failure = false) override;
   std::string describePeer(int peer) const override;
   bool cancel(const RequestPtr& req) override;
   std::string peerGone(int peer) const override;

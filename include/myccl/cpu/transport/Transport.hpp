@@ -70,8 +70,18 @@ class Transport {
   virtual RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes) = 0;
   virtual RequestPtr irecvAny(const std::vector<int>& peers, uint64_t tag, void* data,
                               size_t nbytes) = 0;
-  // Fails everything pending with `reason` and releases sockets, threads and memory.
-  virtual void close(const std::string& reason) = 0;
+  // Fails everything pending with `reason` and releases sockets, threads and memory. Peers are
+  // told why; `failure` says whether this is an error (peers then dump diagnostics) or an
+  // orderly shutdown.
+  virtual void close(const std::string& reason, bool failure = false) = 0;
+  // Called (once per peer, on a transport thread, outside its locks) when a peer fails: it
+  // reported an error or vanished without an orderly goodbye.
+  void setPeerFailedCallback(std::function<void(int peer, const std::string& why)> cb) { peerFailed_ = std::move(cb); }
+
+ protected:
+  std::function<void(int, const std::string&)> peerFailed_;
+
+ public:
   // Human-readable description of the link to a peer, for error messages and `info`.
   virtual std::string describePeer(int peer) const = 0;
   // Why `peer` is known to be gone ("" while it is alive as far as this transport knows).
