@@ -17,8 +17,13 @@ def _backend():
     return dist.group.WORLD._get_backend(torch.device("cpu"))
 
 
-def _shm_segments():
-    return sorted(glob.glob("/dev/shm/myccl-*"))
+def _shm_segments(pids=None):
+    """myccl segments in /dev/shm, optionally only those created by `pids` (names carry the
+    creator's pid, so other jobs on the machine do not disturb the check)."""
+    found = sorted(glob.glob("/dev/shm/myccl-*"))
+    if pids is None:
+        return found
+    return [p for p in found if p.split("-")[1] in {str(x) for x in pids}]
 
 
 def body_zero_copy(ctx):
@@ -115,9 +120,9 @@ def body_leftovers(ctx):
     y = be.allocate_tensor(1 << 20, dtype=torch.float32, device=torch.device("cpu"))
     dist.all_reduce(y)
     dist.barrier()
-    during = _shm_segments()
+    during = _shm_segments([os.getpid()])
     dist.destroy_process_group()
-    return during
+    return os.getpid(), during
 
 
 def body_disagree(ctx):
@@ -158,11 +163,10 @@ def test_shared_tensor(run, size):
 
 
 def test_nothing_left_in_dev_shm(run):
-    before = set(_shm_segments())
-    during = run(3, body_leftovers)
+    results = run(3, body_leftovers)
     # Names are unlinked as soon as every rank mapped them, even while the group lives.
-    assert all(set(d) <= before for d in during), during
-    assert set(_shm_segments()) <= before
+    assert all(not during for _, during in results), results
+    assert not _shm_segments([pid for pid, _ in results])
 
 
 @pytest.mark.parametrize("body", [body_disagree, body_disagree_size])

@@ -60,7 +60,8 @@ int usableCpus() {
 
 std::unique_ptr<ShmSegment> ShmSegment::create(size_t size) {
   for (int attempt = 0; attempt < 8; ++attempt) {
-    std::string name = "/myccl-" + randomHex(12);
+    // The creator's pid tells a leaked segment's owner; the random part makes it unguessable.
+    std::string name = "/myccl-" + std::to_string(getpid()) + "-" + randomHex(12);
     int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
     if (fd < 0 && errno == EEXIST) continue;
     MYCCL_CHECK(fd >= 0, "shared memory: shm_open(", name, ") failed: ", strerror(errno),
