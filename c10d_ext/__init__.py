@@ -7,6 +7,9 @@ over NCCL.
 
 from __future__ import annotations
 
+import atexit as _atexit
+import logging as _logging
+
 import torch
 
 try:
@@ -46,6 +49,13 @@ if BACKEND_NAME not in dist.Backend.backend_list:
 _env = _parse_env()
 if _env["trace"]:
     trace.start(_env["trace"])
+
+# C++ messages go to the "c10d_ext" logger: quiet by default (warnings and errors only).
+logger = _logging.getLogger("c10d_ext")
+logger.setLevel(_env["log_level"].upper())
+_C.set_log_level(logger.getEffectiveLevel())
+_C.set_log_sink(lambda level, msg: logger.log(level, msg))
+_atexit.register(_C.set_log_sink, None)
 
 
 def build_info() -> dict:

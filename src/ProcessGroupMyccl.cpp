@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "myccl/Errors.hpp"
+#include "myccl/Log.hpp"
 #include "myccl/cpu/Engine.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 #include "myccl/cpu/transport/Shm.hpp"
@@ -153,7 +154,8 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     } catch (const cpu::ShmUnavailable& e) {
       MYCCL_CHECK(cfg_.transport != "shm", "init (rank ", rank, "): MYCCL_TRANSPORT=shm but shared memory is unavailable: ",
                   e.what());
-      TORCH_WARN_ONCE("myccl: shared memory unavailable (", e.what(), "); using TCP between local ranks");
+      logOnce("shm-unavailable", LogLevel::Warning,
+              std::string("shared memory unavailable (") + e.what() + "); using TCP between local ranks");
     }
   } else {
     MYCCL_CHECK_ARG(cfg_.transport != "shm" || size == 1, "init (rank ", rank,
@@ -162,7 +164,13 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   recorder_ = std::make_shared<Recorder>(group_, rank, size, static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)));
   RecorderRegistry::get().add(recorder_);
   if (cfg_.flightRecorderEntries > 0) RecorderRegistry::get().installSignalHandler(cfg_.flightRecorderDump);
+  const bool viaShm = shm != nullptr;
   cpu_ = std::make_unique<cpu::CpuEngine>(std::move(transport), std::move(shm), rank, size, group_, cfg_, recorder_);
+  if (logEnabled(LogLevel::Info)) {
+    log(LogLevel::Info, "group '" + group_ + "' rank " + std::to_string(rank) + "/" + std::to_string(size) + ": " +
+                            std::to_string(topo_.crossSize) + " host(s), collectives over " +
+                            (viaShm ? "shared memory" : "TCP") + ", TCP listener on " + setup.bindAddress);
+  }
   init();
 }
 

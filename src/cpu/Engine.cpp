@@ -3,10 +3,12 @@
 // handling. Algorithms below this file see only raw buffers; the backend above it sees only
 // tensors and Work objects.
 #include "myccl/cpu/Engine.hpp"
+#include "myccl/Log.hpp"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -181,6 +183,7 @@ void CpuEngine::runOp(Op& op) {
               static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get()};
   const auto t0 = Clock::now();
   try {
+    if (cfg_.debugDetail && size_ > 1) checkFingerprint(ctx, op);
     op.body(ctx);
     stats_->add(profilingTitle(info.type) + 6, ctx.algo, ctx.bytes,
                 std::chrono::duration<double>(Clock::now() - t0).count());
@@ -193,6 +196,7 @@ void CpuEngine::runOp(Op& op) {
     // The last ops of this group, for `python -m c10d_ext.trace analyze`.
     std::string dumped = recorder_->dumpTo(cfg_.flightRecorderDump, msg);
     if (!dumped.empty()) msg += " [flight recorder: " + dumped + "]";
+    log(LogLevel::Error, msg);
     failGroup(msg, timeout);
     op.work->markDone(makeDistError("myccl: " + msg));
   }
@@ -222,11 +226,57 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
     }
   } else {
     os << e.what();
-    if (ce && ce->kind() == CommErrorKind::Protocol) {
+    if (ce && ce->kind() == CommErrorKind::Protocol && !cfg_.debugDetail) {
       os << " (ranks disagree about this op's sizes or order; set MYCCL_DEBUG=DETAIL to check every op)";
     }
   }
   return os.str();
+}
+
+// MYCCL_DEBUG=DETAIL: every rank publishes what it is about to run; any difference fails the
+// op on every rank with a message listing what each rank called, before any data moves.
+void CpuEngine::checkFingerprint(CollCtx& ctx, const Op& op) {
+  using c10d::OpType;
+  const auto& i = op.work->info();
+  // Shapes must agree only where torch's semantics require it (uneven all_gather lists,
+  // all_to_all splits and gather/scatter lists legitimately differ per rank).
+  static const OpType shaped[] = {OpType::ALLREDUCE, OpType::ALLREDUCE_COALESCED, OpType::BROADCAST, OpType::REDUCE,
+                                  OpType::_ALLGATHER_BASE, OpType::_REDUCE_SCATTER_BASE, OpType::REDUCE_SCATTER,
+                                  OpType::ALLGATHER_INTO_TENSOR_COALESCED, OpType::REDUCE_SCATTER_TENSOR_COALESCED};
+  bool withShape = false;
+  for (auto t : shaped) withShape |= (t == i.type);
+  std::string fp = i.op + " #" + std::to_string(i.seq) + " " + i.dtype;
+  if (withShape) fp += " " + i.shape;
+  if (i.root >= 0) fp += " root " + std::to_string(i.root);
+  if (!i.redop.empty()) fp += " " + i.redop;
+  constexpr size_t kLen = 200;
+  fp.resize(kLen, '\0');
+  CollCtx fctx = ctx;
+  fctx.tagBase = collectiveTagBase(static_cast<uint8_t>(OpCode::Fingerprint), i.seq);
+  std::vector<char> all(kLen * size_);
+  std::vector<void*> outs(size_);
+  std::vector<size_t> sizes(size_, kLen);
+  for (int r = 0; r < size_; ++r) outs[r] = all.data() + r * kLen;
+  cpu::allgatherv(fctx, fp.data(), outs.data(), sizes.data());
+  std::vector<std::pair<std::string, std::vector<int>>> distinct;
+  for (int r = 0; r < size_; ++r) {
+    std::string s(all.data() + r * kLen, strnlen(all.data() + r * kLen, kLen));
+    auto it = std::find_if(distinct.begin(), distinct.end(), [&](auto& d) { return d.first == s; });
+    if (it == distinct.end()) {
+      distinct.push_back({s, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  if (distinct.size() == 1) return;
+  std::ostringstream os;
+  os << "MYCCL_DEBUG=DETAIL: ranks called different collectives:";
+  for (auto& [s, ranks] : distinct) {
+    os << " ranks [";
+    for (size_t k = 0; k < ranks.size(); ++k) os << (k ? "," : "") << ranks[k];
+    os << "] called " << s << ";";
+  }
+  throw CommError(CommErrorKind::Protocol, os.str());
 }
 
 void CpuEngine::failGroup(const std::string& why, bool timeout) {
@@ -270,11 +320,9 @@ at::Tensor CpuEngine::allocateTensor(int64_t numel, const at::TensorOptions& opt
   std::shared_ptr<ShmSegment> seg;
   if (shm_ && nbytes > 0) seg = shm_->allocate(nbytes);
   if (!seg) {
-    static std::once_flag warned;
     if (shm_ && nbytes > 0)
-      std::call_once(warned, [] {
-        TORCH_WARN("myccl: allocate_tensor: the shared-memory table is full; returning ordinary memory");
-      });
+      logOnce("shm-table-full", LogLevel::Warning,
+              "allocate_tensor: the shared-memory table is full; returning ordinary memory (no zero copy)");
     return at::empty({numel}, options.device(at::kCPU));
   }
   std::weak_ptr<ShmGroup> group = shm_;

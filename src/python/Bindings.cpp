@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include "myccl/Errors.hpp"
+#include "myccl/Log.hpp"
 #include "myccl/ProcessGroupMyccl.hpp"
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/transport/Net.hpp"
@@ -194,6 +195,25 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
 
+  m.def("set_log_level", [](int level) { myccl::setLogLevel(static_cast<myccl::LogLevel>(level)); });
+  m.def("set_log_sink", [](py::object fn) {
+    if (fn.is_none()) {
+      py::gil_scoped_release nogil;  // the logger thread may need the GIL to finish a message
+      myccl::setLogSink(nullptr);
+      return;
+    }
+    // Dropped (with the GIL) whenever the sink is replaced.
+    std::shared_ptr<py::object> holder(new py::object(fn), [](py::object* o) {
+      py::gil_scoped_acquire gil;
+      delete o;
+    });
+    myccl::setLogSink([holder](int level, const std::string& msg) {
+      if (!Py_IsInitialized()) return;
+      py::gil_scoped_acquire gil;
+      (*holder)(level, msg);
+    });
+  });
+  m.def("_log", [](int level, const std::string& msg) { myccl::log(static_cast<myccl::LogLevel>(level), msg); });
   m.def("set_tracing", &myccl::Recorder::setTracing);
   m.def("tracing", &myccl::Recorder::tracing);
   // Every finished op of every group (also destroyed ones) since the last drain.

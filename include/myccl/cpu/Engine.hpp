@@ -29,6 +29,7 @@ namespace myccl::cpu {
 // that disagree on which op they are in never match each other's messages.
 enum class OpCode : uint8_t {
   Broadcast = 1, Allreduce, Reduce, Allgather, Gather, Scatter, ReduceScatter, Alltoall, Barrier,
+  Fingerprint = 0x7e,  // MYCCL_DEBUG=DETAIL's cross-rank check before an op
 };
 
 // Counts, bytes and time per (op, algorithm). Shared with p2p completion callbacks, which
@@ -107,6 +108,7 @@ class CpuEngine {
   WorkPtr enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body);
   void loop();
   void runOp(Op& op);
+  void checkFingerprint(CollCtx& ctx, const Op& op);
   void failGroup(const std::string& why, bool timeout);
   std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
   void checkUsable(const OpInfo& info) const;

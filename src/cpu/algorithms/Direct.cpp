@@ -46,7 +46,7 @@ void sendSegmented(CollCtx& c, std::vector<RequestPtr>& reqs, int peer, uint32_t
   size_t nseg = numSegments(count, seg);
   for (size_t s = 0; s < nseg; ++s) {
     size_t off = s * seg, n = std::min(seg, count - std::min(count, off));
-    reqs.push_back(c.tp.isend(peer, c.tag(step), p + off * esize, n * esize));
+    reqs.push_back(c.isend(peer, c.tag(step), p + off * esize, n * esize));
   }
 }
 
@@ -69,7 +69,7 @@ void reduceSliceFromPeers(CollCtx& c, const void* own, void* out, size_t count, 
     size_t off = s * seg, m = std::min(seg, count - std::min(count, off));
     for (int q = 0; q < n; ++q) {
       if (q == c.rank) continue;
-      v.push_back(c.tp.irecv(q, c.tag(step), slot(q, s), m * esize));
+      v.push_back(c.irecv(q, c.tag(step), slot(q, s), m * esize));
     }
   };
   post(0);
@@ -90,6 +90,7 @@ void reduceSliceFromPeers(CollCtx& c, const void* own, void* out, size_t count, 
 namespace direct {
 
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
+  c.agreement = agreementWord(spec, count);
   c.algo = "tcp-direct-reduce-scatter-all-gather";
   const int n = c.size;
   if (n == 1) return;
@@ -102,11 +103,11 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
     std::vector<RequestPtr> reqs;
     for (int q = 0; q < n; ++q) {
       if (q == c.rank) continue;
-      reqs.push_back(c.tp.irecv(q, c.tag(kStepData), all + q * nbytes, nbytes));
+      reqs.push_back(c.irecv(q, c.tag(kStepData), all + q * nbytes, nbytes));
     }
     for (int q = 0; q < n; ++q) {
       if (q == c.rank) continue;
-      reqs.push_back(c.tp.isend(q, c.tag(kStepData), buf, nbytes));
+      reqs.push_back(c.isend(q, c.tag(kStepData), buf, nbytes));
     }
     waitAll(reqs, c.deadline);
     std::vector<const void*> ins(n);
@@ -131,11 +132,11 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   std::vector<RequestPtr> reqs;
   for (int q = 0; q < n; ++q) {
     if (q == c.rank) continue;
-    reqs.push_back(c.tp.irecv(q, c.tag(kStepGather), base + offs[q] * esize, cnts[q] * esize));
+    reqs.push_back(c.irecv(q, c.tag(kStepGather), base + offs[q] * esize, cnts[q] * esize));
   }
   for (int q = 0; q < n; ++q) {
     if (q == c.rank) continue;
-    reqs.push_back(c.tp.isend(q, c.tag(kStepGather), mine, cnts[c.rank] * esize));
+    reqs.push_back(c.isend(q, c.tag(kStepGather), mine, cnts[c.rank] * esize));
   }
   waitAll(reqs, c.deadline);
 }
@@ -148,9 +149,9 @@ void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   if (n <= 3 || nbytes < 256 * 1024) {
     if (c.rank == root) {
       for (int q = 0; q < n; ++q)
-        if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepData), buf, nbytes));
+        if (q != root) reqs.push_back(c.isend(q, c.tag(kStepData), buf, nbytes));
     } else {
-      reqs.push_back(c.tp.irecv(root, c.tag(kStepData), buf, nbytes));
+      reqs.push_back(c.irecv(root, c.tag(kStepData), buf, nbytes));
     }
     waitAll(reqs, c.deadline);
     return;
@@ -162,27 +163,28 @@ void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   char* base = static_cast<char*>(buf);
   if (c.rank == root) {
     for (int q = 0; q < n; ++q)
-      if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepData), base + offs[q], cnts[q]));
+      if (q != root) reqs.push_back(c.isend(q, c.tag(kStepData), base + offs[q], cnts[q]));
   } else {
-    reqs.push_back(c.tp.irecv(root, c.tag(kStepData), base + offs[c.rank], cnts[c.rank]));
+    reqs.push_back(c.irecv(root, c.tag(kStepData), base + offs[c.rank], cnts[c.rank]));
   }
   waitAll(reqs, c.deadline);
   reqs.clear();
   // Everyone forwards the slice it holds to every rank that lacks it (the root lacks none).
   if (c.rank == root) {
     for (int q = 0; q < n; ++q)
-      if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepGather), base + offs[root], cnts[root]));
+      if (q != root) reqs.push_back(c.isend(q, c.tag(kStepGather), base + offs[root], cnts[root]));
   } else {
     for (int q = 0; q < n; ++q) {
       if (q == c.rank) continue;
-      reqs.push_back(c.tp.irecv(q, c.tag(kStepGather), base + offs[q], cnts[q]));
-      if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepGather), base + offs[c.rank], cnts[c.rank]));
+      reqs.push_back(c.irecv(q, c.tag(kStepGather), base + offs[q], cnts[q]));
+      if (q != root) reqs.push_back(c.isend(q, c.tag(kStepGather), base + offs[c.rank], cnts[c.rank]));
     }
   }
   waitAll(reqs, c.deadline);
 }
 
 void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpec& spec, int root) {
+  c.agreement = agreementWord(spec, count);
   c.algo = "tcp-direct";
   const int n = c.size;
   const size_t esize = dtypeSize(spec.dtype);
@@ -194,13 +196,13 @@ void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpe
   if (nbytes <= kSmallReduceBytes || count < static_cast<size_t>(n)) {
     std::vector<RequestPtr> reqs;
     if (c.rank != root) {
-      reqs.push_back(c.tp.isend(root, c.tag(kStepData), in, nbytes));
+      reqs.push_back(c.isend(root, c.tag(kStepData), in, nbytes));
       waitAll(reqs, c.deadline);
       return;
     }
     char* all = static_cast<char*>(c.scratch.get(1, nbytes * n));
     for (int q = 0; q < n; ++q)
-      if (q != root) reqs.push_back(c.tp.irecv(q, c.tag(kStepData), all + q * nbytes, nbytes));
+      if (q != root) reqs.push_back(c.irecv(q, c.tag(kStepData), all + q * nbytes, nbytes));
     waitAll(reqs, c.deadline);
     std::vector<const void*> ins(n);
     for (int q = 0; q < n; ++q) ins[q] = (q == root) ? in : all + q * nbytes;
@@ -230,9 +232,9 @@ void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpe
     if (alias) std::memcpy(mine, dst, cnts[c.rank] * esize);
     for (int q = 0; q < n; ++q)
       if (q != root)
-        reqs.push_back(c.tp.irecv(q, c.tag(kStepRoot), static_cast<char*>(out) + offs[q] * esize, cnts[q] * esize));
+        reqs.push_back(c.irecv(q, c.tag(kStepRoot), static_cast<char*>(out) + offs[q] * esize, cnts[q] * esize));
   } else {
-    reqs.push_back(c.tp.isend(root, c.tag(kStepRoot), dst, cnts[c.rank] * esize));
+    reqs.push_back(c.isend(root, c.tag(kStepRoot), dst, cnts[c.rank] * esize));
   }
   waitAll(reqs, c.deadline);
 }
@@ -242,11 +244,11 @@ void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nby
   std::vector<RequestPtr> reqs;
   for (int q = 0; q < c.size; ++q) {
     if (q == c.rank) continue;
-    reqs.push_back(c.tp.irecv(q, c.tag(kStepData), outs[q], nbytes[q]));
+    reqs.push_back(c.irecv(q, c.tag(kStepData), outs[q], nbytes[q]));
   }
   for (int q = 0; q < c.size; ++q) {
     if (q == c.rank) continue;
-    reqs.push_back(c.tp.isend(q, c.tag(kStepData), in, nbytes[c.rank]));
+    reqs.push_back(c.isend(q, c.tag(kStepData), in, nbytes[c.rank]));
   }
   if (outs[c.rank] != in && nbytes[c.rank] > 0) std::memcpy(outs[c.rank], in, nbytes[c.rank]);
   waitAll(reqs, c.deadline);
@@ -257,10 +259,10 @@ void gatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes
   std::vector<RequestPtr> reqs;
   if (c.rank == root) {
     for (int q = 0; q < c.size; ++q)
-      if (q != root) reqs.push_back(c.tp.irecv(q, c.tag(kStepData), outs[q], nbytes[q]));
+      if (q != root) reqs.push_back(c.irecv(q, c.tag(kStepData), outs[q], nbytes[q]));
     if (outs[root] != in && nbytes[root] > 0) std::memcpy(outs[root], in, nbytes[root]);
   } else {
-    reqs.push_back(c.tp.isend(root, c.tag(kStepData), in, nbytes[c.rank]));
+    reqs.push_back(c.isend(root, c.tag(kStepData), in, nbytes[c.rank]));
   }
   waitAll(reqs, c.deadline);
 }
@@ -270,15 +272,18 @@ void scatterv(CollCtx& c, const void* const* ins, void* out, const size_t* nbyte
   std::vector<RequestPtr> reqs;
   if (c.rank == root) {
     for (int q = 0; q < c.size; ++q)
-      if (q != root) reqs.push_back(c.tp.isend(q, c.tag(kStepData), ins[q], nbytes[q]));
+      if (q != root) reqs.push_back(c.isend(q, c.tag(kStepData), ins[q], nbytes[q]));
     if (ins[root] != out && nbytes[root] > 0) std::memcpy(out, ins[root], nbytes[root]);
   } else {
-    reqs.push_back(c.tp.irecv(root, c.tag(kStepData), out, nbytes[c.rank]));
+    reqs.push_back(c.irecv(root, c.tag(kStepData), out, nbytes[c.rank]));
   }
   waitAll(reqs, c.deadline);
 }
 
 void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec) {
+  size_t total = 0;
+  for (int q = 0; q < c.size; ++q) total += counts[q];
+  c.agreement = agreementWord(spec, total);
   c.algo = "tcp-direct";
   const size_t esize = dtypeSize(spec.dtype);
   const size_t seg = segmentElems(c, esize);
@@ -301,11 +306,11 @@ void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, vo
   std::vector<RequestPtr> reqs;
   for (int q = 0; q < c.size; ++q) {
     if (q == c.rank) continue;
-    reqs.push_back(c.tp.irecv(q, c.tag(kStepData), recvs[q], recvBytes[q]));
+    reqs.push_back(c.irecv(q, c.tag(kStepData), recvs[q], recvBytes[q]));
   }
   for (int k = 1; k < c.size; ++k) {
     int q = (c.rank + k) % c.size;  // staggered so ranks do not all hit rank 0 first
-    reqs.push_back(c.tp.isend(q, c.tag(kStepData), sends[q], sendBytes[q]));
+    reqs.push_back(c.isend(q, c.tag(kStepData), sends[q], sendBytes[q]));
   }
   if (sendBytes[c.rank] != recvBytes[c.rank]) {
     throw CommError(CommErrorKind::Local, "all_to_all: this rank sends " + std::to_string(sendBytes[c.rank]) +
@@ -323,8 +328,8 @@ void barrier(CollCtx& c) {
     std::vector<RequestPtr> reqs;
     int to = (c.rank + k) % c.size;
     int from = (c.rank - k + c.size) % c.size;
-    reqs.push_back(c.tp.irecv(from, c.tag(kStepData + step), nullptr, 0));
-    reqs.push_back(c.tp.isend(to, c.tag(kStepData + step), nullptr, 0));
+    reqs.push_back(c.irecv(from, c.tag(kStepData + step), nullptr, 0));
+    reqs.push_back(c.isend(to, c.tag(kStepData + step), nullptr, 0));
     waitAll(reqs, c.deadline);
   }
 }

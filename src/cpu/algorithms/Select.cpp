@@ -44,13 +44,24 @@ uint64_t collectiveTagBase(uint8_t opCode, uint64_t seq) {
 uint64_t p2pTag(int userTag) {
   return static_cast<uint32_t>(userTag);
 }
+uint32_t agreementWord(const ReduceSpec& spec, size_t count) {
+  uint64_t h = 0x9e3779b97f4a7c15ull;
+  auto mix = [&](uint64_t v) { h = (h ^ v) * 0xff51afd7ed558ccdull; h ^= h >> 33; };
+  mix(static_cast<uint64_t>(spec.dtype));
+  mix(static_cast<uint64_t>(spec.op));
+  mix(static_cast<uint64_t>(spec.divisor));
+  mix(count);
+  return static_cast<uint32_t>(h) | 1u;  // never 0 (0 means "no check")
+}
+
 std::string describeTag(uint64_t tag) {
   static const char* names[] = {"?", "broadcast", "all_reduce", "reduce", "all_gather", "gather",
                                 "scatter", "reduce_scatter", "all_to_all", "barrier"};
   std::ostringstream os;
   if (tag >> 63) {
     unsigned code = (tag >> 56) & 0x7f;
-    os << (code < sizeof(names) / sizeof(names[0]) ? names[code] : "op") << " #" << ((tag >> 16) & 0xffffffffffull);
+    os << (code < sizeof(names) / sizeof(names[0]) ? names[code] : code == 0x7e ? "fingerprint check of" : "op")
+       << " #" << ((tag >> 16) & 0xffffffffffull);
   } else {
     os << "send with tag " << static_cast<int32_t>(tag & 0xffffffffu);
   }

@@ -18,7 +18,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include <c10/util/Logging.h>
+#include "myccl/Log.hpp"
 
 #include <cerrno>
 #include <cstring>
@@ -85,6 +85,15 @@ bool ioFull(int fd, void* buf, size_t n, bool writing, Deadline deadline) {
   return true;
 }
 
+std::string mismatchText(int peer, uint32_t theirs, uint32_t mine) {
+  char buf[320];
+  snprintf(buf, sizeof(buf),
+           "rank %d sent data for a different variant of this op (agreement word %08x, this rank %08x): "
+           "the ranks disagree about its dtype, reduce op or element count",
+           peer, theirs, mine);
+  return buf;
+}
+
 bool constantTimeEqual(const char* a, const char* b, size_t n) {
   unsigned char diff = 0;
   for (size_t i = 0; i < n; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
@@ -135,7 +144,7 @@ bool parseAddr(const std::string& s, sockaddr_storage& out, socklen_t& len) {
 
 struct TcpTransport::Frame {
   uint32_t magicKind;  // kMagic << 8 | kind: catches a desynchronised stream at once
-  uint32_t reserved;
+  uint32_t check;      // sender's agreement word for the op (0: none)
   uint64_t tag;
   uint64_t nbytes;
   uint64_t id;
@@ -154,6 +163,7 @@ struct TcpTransport::PostedRecv {
   RequestPtr req;
   std::vector<int> anyOf;  // non-empty for receive-from-any
   uint64_t tag = 0;
+  uint32_t check = 0;
   char* data = nullptr;
   size_t nbytes = 0;
   uint64_t order = 0;
@@ -161,6 +171,7 @@ struct TcpTransport::PostedRecv {
 
 struct TcpTransport::Unexpected {
   uint64_t tag = 0;
+  uint32_t check = 0;
   bool rts = false;
   uint64_t sendId = 0;
   size_t nbytes = 0;
@@ -298,7 +309,7 @@ void TcpTransport::connectMesh(c10d::Store& store, const std::string& keyPrefix,
       if (!why.empty()) {
         ::close(fd);
         rejected_.fetch_add(1);
-        LOG(WARNING) << "myccl: rank " << rank << " rejected a connection from " << fromStr << ": " << why;
+        log(LogLevel::Warning, "rank " + std::to_string(rank) + " rejected a connection from " + fromStr + ": " + why);
         continue;
       }
       HelloAck ack{kHelloMagic, static_cast<uint32_t>(rank)};
@@ -389,7 +400,7 @@ void TcpTransport::wake() {
   (void)r;
 }
 
-RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t nbytes) {
+RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check) {
   auto req = std::make_shared<Request>(peer, tag, nbytes);
   std::vector<std::function<void()>> done;
   {
@@ -403,6 +414,7 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
     auto item = std::make_unique<SendItem>();
     item->hdr.tag = tag;
     item->hdr.nbytes = nbytes;
+    item->hdr.check = check;
     if (static_cast<int64_t>(nbytes) <= setup_.eagerBytes) {
       item->hdr.magicKind = kMagic << 8 | kEager;
       item->data = static_cast<const char*>(data);
@@ -420,10 +432,11 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
   return req;
 }
 
-RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t nbytes) {
+RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t nbytes, uint32_t check) {
   auto pr = std::make_shared<PostedRecv>();
   pr->req = std::make_shared<Request>(peer, tag, nbytes);
   pr->tag = tag;
+  pr->check = check;
   pr->data = static_cast<char*>(data);
   pr->nbytes = nbytes;
   std::vector<std::function<void()>> done;
@@ -510,9 +523,11 @@ void TcpTransport::matchPostedLocked(const std::shared_ptr<PostedRecv>& pr,
   std::shared_ptr<Unexpected> u = *best;
   p.unexpected.erase(best);
   auto req = pr->req;
-  if (u->nbytes != pr->nbytes) {
-    std::string msg = "message from rank " + std::to_string(bestPeer) + " has " + std::to_string(u->nbytes) +
-                      " bytes but the receive expects " + std::to_string(pr->nbytes);
+  if (u->nbytes != pr->nbytes || (u->check && pr->check && u->check != pr->check)) {
+    std::string msg = u->nbytes != pr->nbytes
+                          ? "message from rank " + std::to_string(bestPeer) + " has " + std::to_string(u->nbytes) +
+                                " bytes but the receive expects " + std::to_string(pr->nbytes)
+                          : mismatchText(bestPeer, u->check, pr->check);
     int peer = bestPeer;
     done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
     if (u->rts) {
@@ -748,6 +763,7 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
     if (!match) {
       auto u = std::make_shared<Unexpected>();
       u->tag = f.tag;
+      u->check = f.check;
       u->rts = (kind == kRts);
       u->sendId = f.id;
       u->nbytes = f.nbytes;
@@ -766,9 +782,11 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
       return;
     }
     auto req = match->req;
-    if (f.nbytes != match->nbytes) {
-      std::string msg = "message from rank " + std::to_string(peer) + " has " + std::to_string(f.nbytes) +
-                        " bytes but the receive expects " + std::to_string(match->nbytes);
+    if (f.nbytes != match->nbytes || (f.check && match->check && f.check != match->check)) {
+      std::string msg = f.nbytes != match->nbytes
+                            ? "message from rank " + std::to_string(peer) + " has " + std::to_string(f.nbytes) +
+                                  " bytes but the receive expects " + std::to_string(match->nbytes)
+                            : mismatchText(peer, f.check, match->check);
       done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
       if (kind == kEager) {
         if (f.nbytes > 0) startDiscard(f.nbytes);

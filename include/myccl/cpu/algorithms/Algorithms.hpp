@@ -46,8 +46,15 @@ struct CollCtx {
   const char* algo = "none";  // set by the algorithm that ran (stats, traces)
   size_t bytes = 0;           // payload of the op as this rank sees it (stats, traces)
 
+  uint32_t agreement = 0;     // what all ranks must agree on (dtype, reduce op, count), hashed
+
   uint64_t tag(uint32_t step) const { return tagBase | step; }
+  RequestPtr isend(int peer, uint64_t t, const void* data, size_t n) { return tp.isend(peer, t, data, n, agreement); }
+  RequestPtr irecv(int peer, uint64_t t, void* data, size_t n) { return tp.irecv(peer, t, data, n, agreement); }
 };
+
+// The agreement word of a reduction: equal on every rank that runs the same reduction.
+uint32_t agreementWord(const ReduceSpec& spec, size_t count);
 
 // Tag layout: bit 63 set for collectives; bits 56..62 op code; 16..55 sequence; 0..15 step.
 uint64_t collectiveTagBase(uint8_t opCode, uint64_t seq);

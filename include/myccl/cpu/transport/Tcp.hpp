@@ -34,8 +34,8 @@ class TcpTransport final : public Transport {
   ~TcpTransport() override;
 
   const char* name() const override { return "tcp"; }
-  RequestPtr isend(int peer, uint64_t tag, const void* data, size_t nbytes) override;
-  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes) override;
+  RequestPtr isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check = 0) override;
+  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes, uint32_t check = 0) override;
   RequestPtr irecvAny(const std::vector<int>& peers, uint64_t tag, void* data,
                       size_t nbytes) override;
   void close(const std::string& reason, bool failure = false) override;

@@ -63,11 +63,13 @@ class Transport {
   virtual ~Transport() = default;
 
   virtual const char* name() const = 0;
-  // The buffer must stay valid and unchanged until the request completes.
-  virtual RequestPtr isend(int peer, uint64_t tag, const void* data, size_t nbytes) = 0;
+  // The buffer must stay valid and unchanged until the request completes. `check` (0: none)
+  // travels with the message; a receive posted with a different non-zero check fails instead
+  // of accepting the bytes (ranks that disagree about an op's dtype or reduce op).
+  virtual RequestPtr isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check = 0) = 0;
   // Messages between a pair with one tag arrive in the order they were sent. A message whose
   // size differs from the posted receive fails that receive (never truncates or overflows).
-  virtual RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes) = 0;
+  virtual RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes, uint32_t check = 0) = 0;
   virtual RequestPtr irecvAny(const std::vector<int>& peers, uint64_t tag, void* data,
                               size_t nbytes) = 0;
   // Fails everything pending with `reason` and releases sockets, threads and memory. Peers are
