@@ -142,7 +142,9 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
                           : cpu::chooseListenAddress(cfg_.socketIfname, cfg_.masterAddr);
   auto transport = std::make_shared<cpu::TcpTransport>(*store_, prefix + "tcp/", setup, token);
   std::shared_ptr<cpu::ShmGroup> shm;
-  if (size > 1 && topo_.singleHost() && cfg_.transport != "tcp") {
+  // Shared memory among this host's ranks of the group (all of them, or one level of a
+  // hierarchical group that spans hosts).
+  if (topo_.localSize > 1 && cfg_.transport != "tcp") {
     cpu::ShmGroup::Options so;
     so.rank = topo_.localRank;
     so.groupRanks = topo_.localRanks;
@@ -157,15 +159,14 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
       logOnce("shm-unavailable", LogLevel::Warning,
               std::string("shared memory unavailable (") + e.what() + "); using TCP between local ranks");
     }
-  } else {
-    MYCCL_CHECK_ARG(cfg_.transport != "shm" || size == 1, "init (rank ", rank,
-                    "): MYCCL_TRANSPORT=shm but the group spans ", topo_.crossSize, " hosts");
   }
+  MYCCL_CHECK_ARG(cfg_.transport != "shm" || topo_.singleHost(), "init (rank ", rank,
+                  "): MYCCL_TRANSPORT=shm but the group spans ", topo_.crossSize, " hosts");
   recorder_ = std::make_shared<Recorder>(group_, rank, size, static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)));
   RecorderRegistry::get().add(recorder_);
   if (cfg_.flightRecorderEntries > 0) RecorderRegistry::get().installSignalHandler(cfg_.flightRecorderDump);
   const bool viaShm = shm != nullptr;
-  cpu_ = std::make_unique<cpu::CpuEngine>(std::move(transport), std::move(shm), rank, size, group_, cfg_, recorder_);
+  cpu_ = std::make_unique<cpu::CpuEngine>(std::move(transport), std::move(shm), topo_, group_, cfg_, recorder_);
   if (logEnabled(LogLevel::Info)) {
     log(LogLevel::Info, "group '" + group_ + "' rank " + std::to_string(rank) + "/" + std::to_string(size) + ": " +
                             std::to_string(topo_.crossSize) + " host(s), collectives over " +

@@ -102,6 +102,10 @@ def body_all_reduce(ctx, transport):
             dist.all_reduce(t, op=redop(op, ctx.rank))
             rep.check(same(t, reduce_all(xs, op), exact(op, dtype)), what)
             rep.check(t.stride() == xs[ctx.rank].stride(), what + " (strides kept)")
+    if transport == "tcp" and ctx.size >= 4:
+        import c10d_ext
+
+        rep.check("all_reduce/tcp-ring" in c10d_ext.stats(), f"ring all_reduce never ran: {sorted(c10d_ext.stats())}")
     # async + wait + future
     t = torch.ones(1000) * (ctx.rank + 1)
     w = dist.all_reduce(t, async_op=True)
@@ -142,6 +146,10 @@ def body_broadcast(ctx, transport):
             t = xs[ctx.rank].clone()
             dist.broadcast(t, src=root)
             rep.check(torch.equal(t, xs[root]), f"broadcast root={root} {dtype} {shape_name}")
+    if transport == "tcp" and ctx.size >= 4:
+        import c10d_ext
+
+        rep.check("broadcast/tcp-binomial-tree" in c10d_ext.stats(), "tree broadcast never ran")
     # Large enough for the scatter+all-gather path at 4 ranks.
     big = make(ctx.rank, (400_000,), torch.float32, 3)
     dist.broadcast(big, src=ctx.size - 1)

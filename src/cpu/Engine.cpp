@@ -46,10 +46,10 @@ at::Tensor privateCopy(const at::Tensor& t) {
 
 }  // namespace
 
-CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, int rank, int size,
+CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, const Topology& topo,
                      std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder)
-    : transport_(std::move(transport)), shm_(std::move(shm)), rank_(rank), size_(size), group_(std::move(group)),
-      cfg_(cfg), recorder_(std::move(recorder)) {
+    : transport_(std::move(transport)), shm_(std::move(shm)), topo_(topo), rank_(topo.rank), size_(topo.size),
+      group_(std::move(group)), cfg_(cfg), recorder_(std::move(recorder)) {
   if (shm_) {
     // A peer that dies never posts again; its TCP link (closed by the kernel) says so at once.
     std::weak_ptr<Transport> tp = transport_;
@@ -163,6 +163,11 @@ void CpuEngine::loop() {
   }
 }
 
+const char* CpuEngine::transportName() const {
+  if (!shm_) return transport_->name();
+  return topo_.crossSize > 1 ? "shm+tcp" : "shm";
+}
+
 void CpuEngine::runOp(Op& op) {
   std::string earlier;
   {
@@ -180,19 +185,19 @@ void CpuEngine::runOp(Op& op) {
   const auto& info = op.work->info();
   CollCtx ctx{*transport_, rank_, size_, collectiveTagBase(static_cast<uint8_t>(op.code), info.seq),
               Clock::now() + info.timeout, scratch_,
-              static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get()};
+              static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get(), &topo_};
   const auto t0 = Clock::now();
   try {
     if (cfg_.debugDetail && size_ > 1) checkFingerprint(ctx, op);
     op.body(ctx);
     stats_->add(profilingTitle(info.type) + 6, ctx.algo, ctx.bytes,
                 std::chrono::duration<double>(Clock::now() - t0).count());
-    recorder_->ended(op.record, ctx.algo, shm_ ? "shm" : transport_->name(), ctx.bytes, "");
+    recorder_->ended(op.record, ctx.algo, transportName(), ctx.bytes, "");
     op.work->markDone();
   } catch (const std::exception& e) {
     bool timeout = false;
     std::string msg = describeFailure(op, e, timeout);
-    recorder_->ended(op.record, ctx.algo, shm_ ? "shm" : transport_->name(), ctx.bytes, msg);
+    recorder_->ended(op.record, ctx.algo, transportName(), ctx.bytes, msg);
     // The last ops of this group, for `python -m c10d_ext.trace analyze`.
     std::string dumped = recorder_->dumpTo(cfg_.flightRecorderDump, msg);
     if (!dumped.empty()) msg += " [flight recorder: " + dumped + "]";

@@ -17,6 +17,7 @@
 
 #include "myccl/Config.hpp"
 #include "myccl/Recorder.hpp"
+#include "myccl/Topology.hpp"
 #include "myccl/Work.hpp"
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/algorithms/Algorithms.hpp"
@@ -55,7 +56,7 @@ class CpuEngine {
  public:
   // `shm` is set when every rank of the group shares this host: collectives then go through
   // shared memory, point-to-point and liveness through `transport`.
-  CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, int rank, int size,
+  CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, const Topology& topo,
             std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder);
   ~CpuEngine();
 
@@ -108,6 +109,7 @@ class CpuEngine {
   WorkPtr enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body);
   void loop();
   void runOp(Op& op);
+  const char* transportName() const;
   void checkFingerprint(CollCtx& ctx, const Op& op);
   void failGroup(const std::string& why, bool timeout);
   std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
@@ -115,6 +117,7 @@ class CpuEngine {
 
   std::shared_ptr<Transport> transport_;
   std::shared_ptr<ShmGroup> shm_;
+  const Topology topo_;
   const int rank_;
   const int size_;
   const std::string group_;

@@ -89,6 +89,65 @@ void reduceSliceFromPeers(CollCtx& c, const void* own, void* out, size_t count, 
 
 namespace direct {
 
+namespace {
+
+// Ring all-reduce: n-1 reduce-scatter steps and n-1 all-gather steps, each rank talking only
+// to its neighbours. Partial results travel and each slice is folded starting at a different
+// rank, so it is used only where the order cannot change the result (integers and bool):
+// floating-point reductions stay in rank order whatever the size, so results never depend on
+// the algorithm that happened to run.
+void ringAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) {
+  c.algo = "tcp-ring";
+  const int n = c.size, me = c.rank;
+  const int right = (me + 1) % n, left = (me - 1 + n) % n;
+  const size_t esize = dtypeSize(spec.dtype);
+  std::vector<size_t> offs, cnts;
+  partition(count, n, offs, cnts);
+  size_t most = 0;
+  for (auto k : cnts) most = std::max(most, k);
+  char* tmp = static_cast<char*>(c.scratch.get(3, most * esize));
+  for (int s = 0; s < n - 1; ++s) {
+    const int sendSlice = (me - s + n) % n, recvSlice = (me - s - 1 + 2 * n) % n;
+    std::vector<RequestPtr> reqs;
+    reqs.push_back(c.irecv(left, c.tag(kStepData), tmp, cnts[recvSlice] * esize));
+    reqs.push_back(c.isend(right, c.tag(kStepData), base + offs[sendSlice] * esize, cnts[sendSlice] * esize));
+    waitAll(reqs, c.deadline);
+    const void* ins[2] = {base + offs[recvSlice] * esize, tmp};
+    ReduceSpec partial = spec;
+    partial.divisor = (s == n - 2) ? spec.divisor : 0;  // AVG divides once, at the last step
+    reduceInto(partial, base + offs[recvSlice] * esize, ins, 2, cnts[recvSlice]);
+  }
+  for (int s = 0; s < n - 1; ++s) {
+    const int sendSlice = (me + 1 - s + n) % n, recvSlice = (me - s + n) % n;
+    std::vector<RequestPtr> reqs;
+    reqs.push_back(c.irecv(left, c.tag(kStepGather), base + offs[recvSlice] * esize, cnts[recvSlice] * esize));
+    reqs.push_back(c.isend(right, c.tag(kStepGather), base + offs[sendSlice] * esize, cnts[sendSlice] * esize));
+    waitAll(reqs, c.deadline);
+  }
+}
+
+// Binomial tree broadcast: log2(n) rounds instead of the root sending n-1 messages.
+void treeBroadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
+  c.algo = "tcp-binomial-tree";
+  const int n = c.size;
+  const int vr = (c.rank - root + n) % n;
+  int mask = 1;
+  while (mask < n) {
+    if (vr < mask) {
+      if (vr + mask < n) {
+        std::vector<RequestPtr> r{c.isend((vr + mask + root) % n, c.tag(kStepData), buf, nbytes)};
+        waitAll(r, c.deadline);
+      }
+    } else if (vr < 2 * mask) {
+      std::vector<RequestPtr> r{c.irecv((vr - mask + root) % n, c.tag(kStepData), buf, nbytes)};
+      waitAll(r, c.deadline);
+    }
+    mask <<= 1;
+  }
+}
+
+}  // namespace
+
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   c.agreement = agreementWord(spec, count);
   c.algo = "tcp-direct-reduce-scatter-all-gather";
@@ -115,6 +174,8 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
     reduceInto(spec, buf, ins.data(), n, count);
     return;
   }
+  const bool exactType = !isFloating(spec.dtype) && !isComplex(spec.dtype);
+  if (n >= 4 && exactType && nbytes >= (1u << 20)) return ringAllreduce(c, static_cast<char*>(buf), count, spec);
   std::vector<size_t> offs, cnts;
   partition(count, n, offs, cnts);
   char* base = static_cast<char*>(buf);
@@ -146,6 +207,7 @@ void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   const int n = c.size;
   if (n == 1) return;
   std::vector<RequestPtr> reqs;
+  if (n >= 4 && nbytes < 256 * 1024) return treeBroadcast(c, buf, nbytes, root);
   if (n <= 3 || nbytes < 256 * 1024) {
     if (c.rank == root) {
       for (int q = 0; q < n; ++q)

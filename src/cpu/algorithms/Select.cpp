@@ -5,7 +5,9 @@
 #include <sstream>
 
 #include "Direct.hpp"
+#include "Hierarchical.hpp"
 #include "ShmAlgorithms.hpp"
+#include "myccl/Topology.hpp"
 
 namespace myccl::cpu {
 
@@ -68,53 +70,91 @@ std::string describeTag(uint64_t tag) {
   return os.str();
 }
 
+namespace {
+
+// Which family runs an op: shared memory when every rank shares this host, two levels when
+// the group spans hosts and some host holds several ranks, direct TCP otherwise.
+enum class Family { Single, Shm, Hier, Direct };
+
+Family family(const CollCtx& c, bool hierarchicalVersion) {
+  if (c.size == 1) return Family::Single;
+  const bool multiHost = c.topo && c.topo->crossSize > 1;
+  if (!multiHost) return c.shm ? Family::Shm : Family::Direct;
+  return hierarchicalVersion && hier::applies(c) ? Family::Hier : Family::Direct;
+}
+
+}  // namespace
+
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
-  if (c.size == 1) return;
-  if (c.shm) return shmalg::allreduce(c, *c.shm, buf, count, spec);
-  direct::allreduce(c, buf, count, spec);
+  switch (family(c, true)) {
+    case Family::Single: return;
+    case Family::Shm: return shmalg::allreduce(c, *c.shm, buf, count, spec);
+    case Family::Hier: return hier::allreduce(c, buf, count, spec);
+    case Family::Direct: return direct::allreduce(c, buf, count, spec);
+  }
 }
 
 void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
-  if (c.size == 1) return;
-  if (c.shm) return shmalg::broadcast(c, *c.shm, buf, nbytes, root);
-  direct::broadcast(c, buf, nbytes, root);
+  switch (family(c, true)) {
+    case Family::Single: return;
+    case Family::Shm: return shmalg::broadcast(c, *c.shm, buf, nbytes, root);
+    case Family::Hier: return hier::broadcast(c, buf, nbytes, root);
+    case Family::Direct: return direct::broadcast(c, buf, nbytes, root);
+  }
 }
 
 void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpec& spec, int root) {
-  if (c.shm && c.size > 1) return shmalg::reduce(c, *c.shm, in, out, count, spec, root);
-  direct::reduce(c, in, out, count, spec, root);
+  switch (family(c, false)) {
+    case Family::Shm: return shmalg::reduce(c, *c.shm, in, out, count, spec, root);
+    default: return direct::reduce(c, in, out, count, spec, root);
+  }
 }
 
 void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes) {
-  if (c.shm && c.size > 1) return shmalg::allgatherv(c, *c.shm, in, outs, nbytes, false, 0);
-  direct::allgatherv(c, in, outs, nbytes);
+  switch (family(c, true)) {
+    case Family::Shm: return shmalg::allgatherv(c, *c.shm, in, outs, nbytes, false, 0);
+    case Family::Hier: return hier::allgatherv(c, in, outs, nbytes);
+    default: return direct::allgatherv(c, in, outs, nbytes);
+  }
 }
 
 void gatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes, int root) {
-  if (c.shm && c.size > 1) return shmalg::allgatherv(c, *c.shm, in, outs, nbytes, true, root);
-  direct::gatherv(c, in, outs, nbytes, root);
+  switch (family(c, false)) {
+    case Family::Shm: return shmalg::allgatherv(c, *c.shm, in, outs, nbytes, true, root);
+    default: return direct::gatherv(c, in, outs, nbytes, root);
+  }
 }
 
 void scatterv(CollCtx& c, const void* const* ins, void* out, const size_t* nbytes, int root) {
-  if (c.shm && c.size > 1) return shmalg::scatterv(c, *c.shm, ins, out, nbytes, root);
-  direct::scatterv(c, ins, out, nbytes, root);
+  switch (family(c, false)) {
+    case Family::Shm: return shmalg::scatterv(c, *c.shm, ins, out, nbytes, root);
+    default: return direct::scatterv(c, ins, out, nbytes, root);
+  }
 }
 
 void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec) {
-  if (c.shm && c.size > 1) return shmalg::reduceScatterv(c, *c.shm, ins, out, counts, spec);
-  direct::reduceScatterv(c, ins, out, counts, spec);
+  switch (family(c, true)) {
+    case Family::Shm: return shmalg::reduceScatterv(c, *c.shm, ins, out, counts, spec);
+    case Family::Hier: return hier::reduceScatterv(c, ins, out, counts, spec);
+    default: return direct::reduceScatterv(c, ins, out, counts, spec);
+  }
 }
 
 void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, void* const* recvs,
                const size_t* recvBytes) {
-  if (c.shm && c.size > 1) return shmalg::alltoallv(c, *c.shm, sends, sendBytes, recvs, recvBytes);
-  direct::alltoallv(c, sends, sendBytes, recvs, recvBytes);
+  switch (family(c, false)) {
+    case Family::Shm: return shmalg::alltoallv(c, *c.shm, sends, sendBytes, recvs, recvBytes);
+    default: return direct::alltoallv(c, sends, sendBytes, recvs, recvBytes);
+  }
 }
 
 void barrier(CollCtx& c) {
-  if (c.size == 1) return;
-  if (c.shm) return shmalg::barrier(c, *c.shm);
-  direct::barrier(c);
+  switch (family(c, true)) {
+    case Family::Single: return;
+    case Family::Shm: return shmalg::barrier(c, *c.shm);
+    case Family::Hier: return hier::barrier(c);
+    case Family::Direct: return direct::barrier(c);
+  }
 }
 
 }  // namespace myccl::cpu

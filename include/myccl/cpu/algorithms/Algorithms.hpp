@@ -12,6 +12,10 @@
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/transport/Transport.hpp"
 
+namespace myccl {
+struct Topology;
+}
+
 namespace myccl::cpu {
 
 class ShmGroup;
@@ -34,6 +38,8 @@ class Scratch {
 };
 
 // Everything an algorithm may use: the peers, the op's private tag space, its deadline.
+// A context may stand for a subset of the group (the leaders of each host, the ranks of one
+// host): `rank`/`size` and peer indices are then positions in `members`.
 struct CollCtx {
   Transport& tp;
   int rank;
@@ -42,15 +48,32 @@ struct CollCtx {
   Deadline deadline;
   Scratch& scratch;
   size_t chunkBytes;  // segment size for pipelined large messages
-  ShmGroup* shm = nullptr;  // set when every rank of the group shares this host's memory
+  ShmGroup* shm = nullptr;  // this host's ranks of the group, when they share memory
+  const Topology* topo = nullptr;        // the whole group's hosts (hierarchical algorithms)
+  const std::vector<int>* members = nullptr;  // position -> group rank; null: the whole group
   const char* algo = "none";  // set by the algorithm that ran (stats, traces)
   size_t bytes = 0;           // payload of the op as this rank sees it (stats, traces)
 
   uint32_t agreement = 0;     // what all ranks must agree on (dtype, reduce op, count), hashed
 
   uint64_t tag(uint32_t step) const { return tagBase | step; }
-  RequestPtr isend(int peer, uint64_t t, const void* data, size_t n) { return tp.isend(peer, t, data, n, agreement); }
-  RequestPtr irecv(int peer, uint64_t t, void* data, size_t n) { return tp.irecv(peer, t, data, n, agreement); }
+  int groupRank(int idx) const { return members ? (*members)[idx] : idx; }
+  RequestPtr isend(int peer, uint64_t t, const void* data, size_t n) {
+    return tp.isend(groupRank(peer), t, data, n, agreement);
+  }
+  RequestPtr irecv(int peer, uint64_t t, void* data, size_t n) {
+    return tp.irecv(groupRank(peer), t, data, n, agreement);
+  }
+  // The same op restricted to `m` (group ranks, containing this rank), over the transport.
+  CollCtx sub(const std::vector<int>& m, int myIdx) const {
+    CollCtx c = *this;
+    c.members = &m;
+    c.rank = myIdx;
+    c.size = static_cast<int>(m.size());
+    c.shm = nullptr;
+    c.topo = nullptr;
+    return c;
+  }
 };
 
 // The agreement word of a reduction: equal on every rank that runs the same reduction.
