@@ -109,3 +109,26 @@ def shared_tensor(shape, dtype: torch.dtype = torch.float32, group=None) -> torc
 
 
 __all__ += ["shared_tensor"]
+
+
+def local_rank(group=None) -> int:
+    """This rank's index among the group's ranks on this host (Horovod's local_rank)."""
+    return _myccl_backend(group).local_rank
+
+
+def local_size(group=None) -> int:
+    """How many of the group's ranks share this host."""
+    return _myccl_backend(group).local_size
+
+
+def cross_rank(group=None) -> int:
+    """This host's index among the group's hosts (hosts numbered by their lowest rank)."""
+    return _myccl_backend(group).cross_rank
+
+
+def cross_size(group=None) -> int:
+    """How many hosts the group spans."""
+    return _myccl_backend(group).cross_size
+
+
+__all__ += ["local_rank", "local_size", "cross_rank", "cross_size"]

@@ -87,6 +87,9 @@ VARS: list[Var] = [
         "(exclude). Default: the interface that routes to MASTER_ADDR (loopback if all ranks share a host)"),
     Var("MYCCL_HOST_ID", "host_id", _str, "",
         "overrides this process's host identity (ranks with equal identities use shared memory)"),
+    Var("MYCCL_HIERARCHICAL", "hierarchical", _bool, True,
+        "groups spanning hosts: shared memory inside each host and one leader per host across "
+        "hosts (1), or every rank over TCP (0)"),
     Var("MYCCL_NUM_THREADS", "num_threads", _int(1, 64), 1,
         "threads one group may use for copies and reductions, the progress thread included"),
     Var("MYCCL_DEBUG", "debug_detail", _debug, False,

@@ -18,6 +18,8 @@ struct Config {
   std::string masterAddr;
   // Overrides the host identity used to decide which ranks share memory.
   std::string hostId;
+  // Groups spanning hosts: two levels (shared memory inside hosts, leaders across) or flat TCP.
+  bool hierarchical = true;
   // Threads a group may use for reductions and copies (the progress thread included).
   int numThreads = 1;
   // Collective fingerprints checked across ranks before every op (MYCCL_DEBUG=DETAIL).

@@ -186,6 +186,7 @@ void CpuEngine::runOp(Op& op) {
   CollCtx ctx{*transport_, rank_, size_, collectiveTagBase(static_cast<uint8_t>(op.code), info.seq),
               Clock::now() + info.timeout, scratch_,
               static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get(), &topo_};
+  ctx.hierarchical = cfg_.hierarchical;
   const auto t0 = Clock::now();
   try {
     if (cfg_.debugDetail && size_ > 1) checkFingerprint(ctx, op);

@@ -356,6 +356,26 @@ void reduceInto(const ReduceSpec& spec, void* out, const void* const* ins, int n
   }
 }
 
+MYCCL_CLONES void toFloat32(DType from, const void* in, float* out, size_t count) {
+  if (from == DType::BF16) {
+    Conv<bf16_t, float>::load(out, static_cast<const bf16_t*>(in), count);
+  } else if (from == DType::F16) {
+    Conv<f16_t, float>::load(out, static_cast<const f16_t*>(in), count);
+  } else {
+    throw std::invalid_argument(std::string("toFloat32: unsupported ") + dtypeName(from));
+  }
+}
+
+MYCCL_CLONES void fromFloat32(DType to, const float* in, void* out, size_t count) {
+  if (to == DType::BF16) {
+    Conv<bf16_t, float>::store(static_cast<bf16_t*>(out), in, count);
+  } else if (to == DType::F16) {
+    Conv<f16_t, float>::store(static_cast<f16_t*>(out), in, count);
+  } else {
+    throw std::invalid_argument(std::string("fromFloat32: unsupported ") + dtypeName(to));
+  }
+}
+
 void scaleInPlace(DType dt, void* data, size_t count, double factor) {
   switch (dt) {
     case DType::F32: return scaleTyped<float, float>(data, count, factor);

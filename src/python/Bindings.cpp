@@ -131,6 +131,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("master_addr", &myccl::Config::masterAddr)
       .def_readwrite("host_id", &myccl::Config::hostId)
       .def_readwrite("num_threads", &myccl::Config::numThreads)
+      .def_readwrite("hierarchical", &myccl::Config::hierarchical)
       .def_readwrite("debug_detail", &myccl::Config::debugDetail)
       .def_readwrite("tcp_eager_bytes", &myccl::Config::tcpEagerBytes)
       .def_readwrite("tcp_chunk_bytes", &myccl::Config::tcpChunkBytes)

@@ -22,6 +22,11 @@ void reduceInto(const ReduceSpec& spec, void* out, const void* const* ins, int n
 // data[i] *= factor (PREMUL_SUM pre-scaling), in the element type.
 void scaleInPlace(DType dt, void* data, size_t count, double factor);
 
+// float16/bfloat16 <-> float32 (round to nearest even on the way down), for algorithms that
+// must carry partial sums at full precision and round once at the end.
+void toFloat32(DType from, const void* in, float* out, size_t count);
+void fromFloat32(DType to, const float* in, void* out, size_t count);
+
 // Which instruction set the kernels picked on this machine ("avx512f", "avx2", "default").
 const char* reduceIsa();
 

@@ -16,7 +16,11 @@ namespace {
 
 constexpr uint32_t kStepLeaders = 20;
 // Scratch slots above the ones the direct algorithms use (0..3).
-constexpr int kSlotA = 8, kSlotB = 9, kSlotC = 10, kSlotD = 11;
+constexpr int kSlotA = 8, kSlotB = 9, kSlotC = 10, kSlotD = 11, kSlotWide = 12;
+
+bool lowPrecision(DType dt) {
+  return dt == DType::F16 || dt == DType::BF16;
+}
 
 struct Levels {
   std::vector<int> local;    // group ranks on this host
@@ -100,6 +104,16 @@ bool applies(const CollCtx& c) {
 }
 
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
+  if (lowPrecision(spec.dtype)) {
+    // Two levels would round twice: carry float32 through both and round once at the end.
+    float* wide = static_cast<float*>(c.scratch.get(kSlotWide, std::max<size_t>(count, 1) * sizeof(float)));
+    toFloat32(spec.dtype, buf, wide, count);
+    ReduceSpec w = spec;
+    w.dtype = DType::F32;
+    hier::allreduce(c, wide, count, w);
+    fromFloat32(spec.dtype, wide, buf, count);
+    return;
+  }
   Levels L = levels(c);
   ReduceSpec partial = spec;
   partial.divisor = 0;  // AVG divides once, after the last level
@@ -161,9 +175,27 @@ void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nby
 }
 
 void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec) {
-  Levels L = levels(c);
   const Topology& t = *c.topo;
   const int n = t.size;
+  if (lowPrecision(spec.dtype)) {
+    size_t total = 0;
+    for (int r = 0; r < n; ++r) total += counts[r];
+    float* wide = static_cast<float*>(c.scratch.get(kSlotWide, std::max<size_t>(total + counts[t.rank], 1) * sizeof(float)));
+    std::vector<const void*> wideIns(n);
+    size_t o = 0;
+    for (int r = 0; r < n; ++r) {
+      toFloat32(spec.dtype, ins[r], wide + o, counts[r]);
+      wideIns[r] = wide + o;
+      o += counts[r];
+    }
+    float* wideOut = wide + total;
+    ReduceSpec w = spec;
+    w.dtype = DType::F32;
+    hier::reduceScatterv(c, wideIns.data(), wideOut, counts, w);
+    fromFloat32(spec.dtype, wideOut, out, counts[t.rank]);
+    return;
+  }
+  Levels L = levels(c);
   const size_t es = dtypeSize(spec.dtype);
   size_t total = 0;
   std::vector<size_t> off(n);

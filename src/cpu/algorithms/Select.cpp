@@ -80,7 +80,7 @@ Family family(const CollCtx& c, bool hierarchicalVersion) {
   if (c.size == 1) return Family::Single;
   const bool multiHost = c.topo && c.topo->crossSize > 1;
   if (!multiHost) return c.shm ? Family::Shm : Family::Direct;
-  return hierarchicalVersion && hier::applies(c) ? Family::Hier : Family::Direct;
+  return hierarchicalVersion && c.hierarchical && hier::applies(c) ? Family::Hier : Family::Direct;
 }
 
 }  // namespace

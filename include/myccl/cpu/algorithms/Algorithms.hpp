@@ -51,6 +51,7 @@ struct CollCtx {
   ShmGroup* shm = nullptr;  // this host's ranks of the group, when they share memory
   const Topology* topo = nullptr;        // the whole group's hosts (hierarchical algorithms)
   const std::vector<int>* members = nullptr;  // position -> group rank; null: the whole group
+  bool hierarchical = true;                   // two-level algorithms allowed across hosts
   const char* algo = "none";  // set by the algorithm that ran (stats, traces)
   size_t bytes = 0;           // payload of the op as this rank sees it (stats, traces)
 

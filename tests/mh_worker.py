@@ -1,0 +1,136 @@
+"""Runs under torchrun on the namespaced test hosts (tests/test_multihost.py): checks every op
+against local expectations, then trains a small DDP model and saves its parameters.
+
+    torchrun ... tests/mh_worker.py <out_dir> <mode>     mode: all | ops | ddp
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import c10d_ext  # noqa: E402
+from expect import INTS, make, reduce_all  # noqa: E402
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype in INTS or a.dtype == torch.bool:
+        return torch.equal(a, b)
+    # Two-level reductions add in a different order than a flat rank-order fold.
+    tol = 1e-2 if a.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    return torch.allclose(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+def check_ops(fails: list[str]) -> int:
+    r, n = dist.get_rank(), dist.get_world_size()
+    checks = 0
+
+    def check(ok, what):
+        nonlocal checks
+        checks += 1
+        if not ok:
+            fails.append(f"rank {r}: {what}")
+
+    for numel in (7, 20_000, 600_001):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            for op in ("SUM", "MAX", "AVG"):
+                xs = [make(q, (numel,), dtype, numel) for q in range(n)]
+                t = xs[r].clone()
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                check(close(t, reduce_all(xs, op)), f"all_reduce {op} {dtype} {numel}")
+        xs = [make(q, (numel,), torch.float32, 1) for q in range(n)]
+        for root in range(n):
+            t = xs[r].clone()
+            dist.broadcast(t, src=root)
+            check(torch.equal(t, xs[root]), f"broadcast root {root} {numel}")
+            t = xs[r].clone()
+            dist.reduce(t, dst=root)
+            check(close(t, reduce_all(xs, "SUM")) if r == root else torch.equal(t, xs[r]), f"reduce root {root} {numel}")
+        outs = [torch.empty(numel) for _ in range(n)]
+        dist.all_gather(outs, xs[r])
+        check(all(torch.equal(outs[q], xs[q]) for q in range(n)), f"all_gather {numel}")
+        cat = torch.empty(numel * n)
+        dist.all_gather_into_tensor(cat, xs[r])
+        check(torch.equal(cat, torch.cat(xs)), f"all_gather_into_tensor {numel}")
+        big = [make(q, (numel * n,), torch.float32, 2) for q in range(n)]
+        out = torch.empty(numel)
+        dist.reduce_scatter_tensor(out, big[r])
+        check(close(out, reduce_all(big, "SUM")[r * numel:(r + 1) * numel]), f"reduce_scatter_tensor {numel}")
+        out = torch.empty(numel)
+        dist.reduce_scatter(out, list(big[r].split(numel)))
+        check(close(out, reduce_all(big, "SUM")[r * numel:(r + 1) * numel]), f"reduce_scatter {numel}")
+        a2a = torch.empty(numel * n)
+        dist.all_to_all_single(a2a, big[r])
+        want = torch.cat([big[q][r * numel:(r + 1) * numel] for q in range(n)])
+        check(torch.equal(a2a, want), f"all_to_all_single {numel}")
+        g = [torch.empty(numel) for _ in range(n)] if r == 0 else None
+        dist.gather(xs[r], gather_list=g, dst=0)
+        check(r != 0 or all(torch.equal(g[q], xs[q]) for q in range(n)), f"gather {numel}")
+        s = torch.empty(numel)
+        dist.scatter(s, scatter_list=[x.clone() for x in xs] if r == n - 1 else None, src=n - 1)
+        check(torch.equal(s, xs[r]), f"scatter {numel}")
+    for _ in range(3):
+        dist.barrier()
+    # point-to-point across hosts: a ring
+    x = make(r, (100_000,), torch.float32, 3)
+    y = torch.empty(100_000)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (r + 1) % n), dist.P2POp(dist.irecv, y, (r - 1) % n)])
+    for q in reqs:
+        q.wait()
+    check(torch.equal(y, make((r - 1) % n, (100_000,), torch.float32, 3)), "ring send/recv")
+    st = c10d_ext.stats()
+    if os.environ.get("MYCCL_HIERARCHICAL", "1") != "0":
+        check("all_reduce/hierarchical-shm-tcp" in st, f"hierarchical all_reduce never ran: {sorted(st)}")
+    return checks
+
+
+def train(out_dir: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    for _ in range(5):
+        x, y = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if dist.get_rank() == 0:
+        torch.save([p.detach() for p in model.parameters()], os.path.join(out_dir, "ddp_params.pt"))
+
+
+def main() -> int:
+    out_dir, mode = sys.argv[1], sys.argv[2]
+    dist.init_process_group("myccl")
+    r = dist.get_rank()
+    result = {"rank": r, "world": dist.get_world_size(), "local_rank": c10d_ext.local_rank(),
+              "local_size": c10d_ext.local_size(), "cross_rank": c10d_ext.cross_rank(),
+              "cross_size": c10d_ext.cross_size(), "fails": [], "checks": 0,
+              "links": dist.group.WORLD._get_backend(torch.device("cpu")).describe_links()}
+    try:
+        if mode in ("all", "ops"):
+            result["checks"] = check_ops(result["fails"])
+        if mode in ("all", "ddp"):
+            train(out_dir)
+    except Exception:  # noqa: BLE001
+        result["fails"].append(f"rank {r}: exception\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{r}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
