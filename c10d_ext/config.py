@@ -111,6 +111,8 @@ VARS: list[Var] = [
         "path prefix: write a Chrome-trace timeline per rank to <prefix>.rank<R>.json at exit", cpp=False),
     Var("MYCCL_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "warning",
         "level of the 'c10d_ext' Python logger (C++ messages are routed there)", cpp=False),
+    Var("MYCCL_TEST_CONNECT_DELAY_MS", "test_connect_delay_ms", _int(0), 0,
+        "testing only: pause before connecting the TCP mesh (lets tests knock on a listener)"),
     Var("MYCCL_BLOCKING_WAIT", "blocking_wait", _bool, False,
         "CUDA: Work.wait() blocks the host and raises on timeout instead of ordering streams"),
     Var("MYCCL_AVOID_RECORD_STREAMS", "avoid_record_streams", _bool, False,

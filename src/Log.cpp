@@ -1,4 +1,5 @@
 // The log queue and its thread.
+#include <pthread.h>
 #include "myccl/Log.hpp"
 
 #include <atomic>
@@ -92,7 +93,10 @@ void setLogSink(std::function<void(int, const std::string&)> sink) {
     l.sink = std::move(sink);
     if (l.sink && !l.started) {
       l.started = true;
-      std::thread([&l] { l.run(); }).detach();
+      std::thread([&l] {
+        pthread_setname_np(pthread_self(), "myccl-log");
+        l.run();
+      }).detach();
     }
     l.cv.notify_all();
   }

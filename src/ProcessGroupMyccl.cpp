@@ -135,6 +135,7 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   setup.size = size;
   setup.timeout = timeout;
   setup.eagerBytes = cfg_.tcpEagerBytes;
+  setup.connectDelay = std::chrono::milliseconds(cfg_.testConnectDelayMs);
   // Ranks that all live on one host talk over loopback unless told otherwise; nothing else on
   // the network can even reach the listener then.
   setup.bindAddress = (topo_.singleHost() && cfg_.socketIfname.empty())
@@ -283,6 +284,11 @@ std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> My
 
 void MycclBackend::resetStats() {
   cpu_->stats().reset();
+}
+
+int MycclBackend::rejectedConnections() const {
+  auto* tcp = dynamic_cast<cpu::TcpTransport*>(&cpu_->transport());
+  return tcp ? tcp->rejectedConnections() : 0;
 }
 
 bool MycclBackend::usesSharedMemory() const {

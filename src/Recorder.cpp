@@ -1,4 +1,5 @@
 // Flight recorder ring, trace buffer, JSON dumps and the SIGUSR1 dumper thread.
+#include <pthread.h>
 #include "myccl/Recorder.hpp"
 
 #include <fcntl.h>
@@ -267,6 +268,7 @@ void RecorderRegistry::installSignalHandler(const std::string& dir) {
     sigaction(SIGUSR1, nullptr, &old);
     if (old.sa_handler != SIG_DFL && old.sa_handler != SIG_IGN) return;  // somebody else owns SIGUSR1
     std::thread([this, dir] {
+      pthread_setname_np(pthread_self(), "myccl-sigusr1");
       char c;
       while (::read(gSignalPipe[0], &c, 1) == 1 || errno == EINTR) dumpAll(dir, "SIGUSR1");
     }).detach();

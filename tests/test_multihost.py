@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,7 +51,9 @@ def launch(hosts: netns.Hosts, nproc: int, mode: str, extra_env: dict | None = N
         if i == 0:
             cmd += ["--rdzv-conf", "is_host=1"]
         cmd += [WORKER, out, mode]
-        procs.append(hosts.popen(i, cmd, _env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        # A session of its own: on a timeout the whole tree (torchrun and its workers) is killed.
+        procs.append(hosts.popen(i, cmd, _env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True))
     logs = []
     try:
         for p in procs:
@@ -58,7 +61,10 @@ def launch(hosts: netns.Hosts, nproc: int, mode: str, extra_env: dict | None = N
             logs.append(stdout)
     except subprocess.TimeoutExpired:
         for p in procs:
-            p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         tails = []
         for p in procs:
             try:

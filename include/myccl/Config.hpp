@@ -38,6 +38,8 @@ struct Config {
   bool avoidRecordStreams = false;
   // CUDA: take a high-priority stream from torch's pool.
   bool highPriorityStream = false;
+  // Testing only: pause before connecting the TCP mesh (lets a test knock on a listener).
+  int64_t testConnectDelayMs = 0;
   // Flight recorder ring size per group (0 = off) and dump location prefix.
   int64_t flightRecorderEntries = 128;
   std::string flightRecorderDump = "/tmp/myccl_flight_recorder";

@@ -100,6 +100,7 @@ class MycclBackend final : public c10d::Backend {
   std::string describeLinks() const;
   bool ncclBuilt() const;
   bool usesSharedMemory() const;
+  int rejectedConnections() const;
   // (op, algorithm, count, bytes, seconds) for every op run so far on CPU.
   std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> stats() const;
   void resetStats();

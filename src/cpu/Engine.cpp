@@ -2,6 +2,7 @@
 // copied into contiguous buffers and written back after a successful op) and failure
 // handling. Algorithms below this file see only raw buffers; the backend above it sees only
 // tensors and Work objects.
+#include <pthread.h>
 #include "myccl/cpu/Engine.hpp"
 #include "myccl/Log.hpp"
 
@@ -82,7 +83,10 @@ CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGr
     auto r = rec.lock();
     if (r && !dumped->exchange(true)) r->dumpTo(dumpDir, "peer rank " + std::to_string(peer) + " failed: " + why);
   });
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "myccl-engine");
+    loop();
+  });
 }
 
 CpuEngine::~CpuEngine() {
@@ -190,6 +194,7 @@ void CpuEngine::runOp(Op& op) {
   const auto t0 = Clock::now();
   try {
     if (cfg_.debugDetail && size_ > 1) checkFingerprint(ctx, op);
+    checkStrays(info.seq);
     op.body(ctx);
     stats_->add(profilingTitle(info.type) + 6, ctx.algo, ctx.bytes,
                 std::chrono::duration<double>(Clock::now() - t0).count());
@@ -235,8 +240,36 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
     if (ce && ce->kind() == CommErrorKind::Protocol && !cfg_.debugDetail) {
       os << " (ranks disagree about this op's sizes or order; set MYCCL_DEBUG=DETAIL to check every op)";
     }
+    if (ce && ce->kind() == CommErrorKind::PeerGone) {
+      // One death makes its neighbours close their links too: the rank that closed on us may
+      // only be the messenger. Give the other links a moment to report, then name them all.
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      std::string others;
+      for (int q = 0; q < size_; ++q) {
+        if (q == rank_ || q == ce->peer()) continue;
+        std::string why = transport_->peerGone(q);
+        if (!why.empty()) others += " rank " + std::to_string(q) + ": " + why + ";";
+      }
+      if (!others.empty()) os << ". Also gone:" << others;
+    }
   }
   return os.str();
+}
+
+// A collective message of an earlier op that nobody received means the ranks disagreed about
+// that op (e.g. different roots: both "roots" sent, nobody listened). Fail now instead of
+// letting later ops run on a desynchronised group.
+void CpuEngine::checkStrays(uint64_t seq) {
+  for (auto& [peer, tag] : transport_->unmatched()) {
+    if (!(tag >> 63)) continue;  // point-to-point messages may legitimately wait
+    const uint64_t theirSeq = (tag >> 16) & 0xffffffffffull;
+    if (theirSeq >= (seq & 0xffffffffffull)) continue;  // a peer simply ahead of us
+    throw CommError(CommErrorKind::Protocol,
+                    "rank " + std::to_string(peer) + " sent data for " + describeTag(tag) +
+                        " that this rank never received: the ranks disagreed about that op (its root, or whether "
+                        "it was theirs to send)",
+                    peer);
+  }
 }
 
 // MYCCL_DEBUG=DETAIL: every rank publishes what it is about to run; any difference fails the

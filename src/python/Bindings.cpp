@@ -12,6 +12,9 @@
 #include "myccl/ProcessGroupMyccl.hpp"
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/transport/Net.hpp"
+#include "myccl/cpu/transport/Shm.hpp"
+
+#include <sys/stat.h>
 #ifdef MYCCL_WITH_NCCL
 #include "myccl/cuda/NcclEngine.hpp"
 #endif
@@ -140,6 +143,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("blocking_wait", &myccl::Config::blockingWait)
       .def_readwrite("avoid_record_streams", &myccl::Config::avoidRecordStreams)
       .def_readwrite("high_priority_stream", &myccl::Config::highPriorityStream)
+      .def_readwrite("test_connect_delay_ms", &myccl::Config::testConnectDelayMs)
       .def_readwrite("flight_recorder_entries", &myccl::Config::flightRecorderEntries)
       .def_readwrite("flight_recorder_dump", &myccl::Config::flightRecorderDump);
 
@@ -161,6 +165,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("local_ranks", [](const myccl::MycclBackend& b) { return b.topology().localRanks; })
       .def_property_readonly("host_of_rank", [](const myccl::MycclBackend& b) { return b.topology().hostOfRank; })
       .def_property_readonly("uses_shared_memory", &myccl::MycclBackend::usesSharedMemory)
+      .def_property_readonly("rejected_connections", &myccl::MycclBackend::rejectedConnections)
       .def("describe_links", &myccl::MycclBackend::describeLinks)
       .def("shared_tensor", &myccl::MycclBackend::sharedTensor, py::arg("shape"), py::arg("dtype"),
            py::call_guard<py::gil_scoped_release>())
@@ -234,6 +239,14 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& dir, const std::string& reason) { return myccl::RecorderRegistry::get().dumpAll(dir, reason); },
       py::arg("dir"), py::arg("reason") = "requested");
   m.def("now_us", &myccl::Recorder::nowUs);
+
+  // Test hook: a segment as myccl creates them; (name, permission bits) read before unlinking.
+  m.def("_shm_segment_probe", []() {
+    auto seg = myccl::cpu::ShmSegment::create(4096);
+    struct stat st {};
+    ::stat(("/dev/shm" + seg->name()).c_str(), &st);
+    return py::make_tuple(seg->name(), static_cast<int>(st.st_mode & 0777));
+  });
 
   m.def("host_identity", [](const std::string& override) { return myccl::cpu::hostIdentity(override); },
         py::arg("override") = "");

@@ -111,6 +111,7 @@ class CpuEngine {
   void runOp(Op& op);
   const char* transportName() const;
   void checkFingerprint(CollCtx& ctx, const Op& op);
+  void checkStrays(uint64_t seq);
   void failGroup(const std::string& why, bool timeout);
   std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
   void checkUsable(const OpInfo& info) const;

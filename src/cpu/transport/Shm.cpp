@@ -314,8 +314,10 @@ uint32_t ShmGroup::begin(const StepDesc& d, Deadline deadline) {
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     if (!reached(ctrl(r)->seq.load(std::memory_order_acquire), s - 1)) waitSlow(r, s - 1, deadline);
+    // Steps in which this rank read nothing from r (a broadcast root, say) were never checked:
+    // r must have run the same thing at step s-1 too.
+    if (s > 1) checkDesc(r, s - 1);
   }
-  desc_ = d;
   ctrl(rank_)->desc[s % 4] = d;
   return s;
 }
@@ -339,7 +341,8 @@ void ShmGroup::waitAll(uint32_t step, Deadline deadline) {
 
 void ShmGroup::checkDesc(int peer, uint32_t step) const {
   const StepDesc& theirs = ctrl(peer)->desc[step % 4];
-  if (theirs.op == desc_.op && theirs.arg == desc_.arg) return;
+  const StepDesc& mine = ctrl(rank_)->desc[step % 4];
+  if (theirs.op == mine.op && theirs.arg == mine.arg) return;
   auto name = [&](const StepDesc& d) {
     if (describer_) return describer_(d);
     std::ostringstream os;
@@ -348,7 +351,7 @@ void ShmGroup::checkDesc(int peer, uint32_t step) const {
   };
   throw CommError(CommErrorKind::Protocol,
                   "rank " + std::to_string(groupRanks_[peer]) + " is running " + name(theirs) +
-                      " while this rank runs " + name(desc_),
+                      " while this rank runs " + name(mine),
                   groupRanks_[peer]);
 }
 

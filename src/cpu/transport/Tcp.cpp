@@ -4,6 +4,7 @@
 // and by the epoll thread otherwise. Messages up to eagerBytes travel at once; larger ones
 // announce themselves (RTS) and are sent when the receiver has posted a buffer (CTS), so a
 // receiver never buffers a large unexpected message and never stalls other tags behind it.
+#include <pthread.h>
 #include "myccl/cpu/transport/Tcp.hpp"
 
 #include <arpa/inet.h>
@@ -239,7 +240,10 @@ TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, Tcp
     pev.data.u32 = static_cast<uint32_t>(r);
     epoll_ctl(epfd_, EPOLL_CTL_ADD, p.fd, &pev);
   }
-  io_ = std::thread([this] { ioLoop(); });
+  io_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "myccl-tcp-io");
+    ioLoop();
+  });
 }
 
 TcpTransport::~TcpTransport() {
@@ -332,6 +336,7 @@ void TcpTransport::connectMesh(c10d::Store& store, const std::string& keyPrefix,
   });
 
   std::string connectError;
+  if (setup_.connectDelay.count() > 0) std::this_thread::sleep_for(setup_.connectDelay);
   for (int peer = rank + 1; peer < size && connectError.empty(); ++peer) {
     std::string addr;
     try {

@@ -147,7 +147,6 @@ class ShmGroup {
   std::vector<std::unique_ptr<ShmSegment>> peers_;
   std::vector<char*> bases_;
   uint32_t step_ = 0;
-  StepDesc desc_;
   int64_t spinNs_;
   bool yieldFirst_;
   std::function<std::string(int)> monitor_;

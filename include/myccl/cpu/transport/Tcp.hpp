@@ -23,6 +23,7 @@ struct TcpSetup {
   std::vector<std::string> peerAddresses;  // filled during setup (for messages)
   int64_t eagerBytes = 64 * 1024;
   std::chrono::milliseconds timeout{30000};  // for connecting the mesh
+  std::chrono::milliseconds connectDelay{0};  // testing only
 };
 
 class TcpTransport final : public Transport {
