@@ -177,3 +177,40 @@ def test_ranks_that_disagree_get_an_error(run, body):
     joined = "\n".join(msgs)
     assert "myccl" in joined
     assert "while this rank runs" in joined or "disagree" in joined or "expects" in joined, joined
+
+
+def body_helper_threads(ctx):
+    import c10d_ext
+
+    ctx.init(pg_options=c10d_ext.Options(num_threads=3, shm_buffer_bytes=4 << 20))
+    n, r = ctx.size, ctx.rank
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    failures = []
+    if names.count("myccl-helper") != 2:
+        failures.append(f"expected 2 helper threads, saw {names}")
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        xs = [make(q, (3_000_001,), dtype, 4) for q in range(n)]
+        t = xs[r].clone()
+        dist.all_reduce(t)
+        if not torch.equal(t, reduce_all(xs, "SUM")):
+            failures.append(f"all_reduce {dtype} with helper threads")
+        t = xs[r].clone()
+        dist.broadcast(t, src=0)
+        if not torch.equal(t, xs[0]):
+            failures.append(f"broadcast {dtype} with helper threads")
+        out = torch.empty(3_000_001 * n, dtype=dtype)
+        dist.all_gather_into_tensor(out, xs[r])
+        if not torch.equal(out, torch.cat(xs)):
+            failures.append(f"all_gather {dtype} with helper threads")
+    return failures
+
+
+def test_helper_threads(run):
+    failures = [f for fs in run(2, body_helper_threads, timeout=180) for f in fs]
+    assert not failures, failures

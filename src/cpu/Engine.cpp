@@ -51,6 +51,7 @@ CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGr
                      std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder)
     : transport_(std::move(transport)), shm_(std::move(shm)), topo_(topo), rank_(topo.rank), size_(topo.size),
       group_(std::move(group)), cfg_(cfg), recorder_(std::move(recorder)) {
+  if (cfg_.numThreads > 1) par_ = std::make_unique<Parallel>(cfg_.numThreads);  // the op's own thread + helpers
   if (shm_) {
     // A peer that dies never posts again; its TCP link (closed by the kernel) says so at once.
     std::weak_ptr<Transport> tp = transport_;
@@ -83,10 +84,8 @@ CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGr
     auto r = rec.lock();
     if (r && !dumped->exchange(true)) r->dumpTo(dumpDir, "peer rank " + std::to_string(peer) + " failed: " + why);
   });
-  thread_ = std::thread([this] {
-    pthread_setname_np(pthread_self(), "myccl-engine");
-    loop();
-  });
+  thread_ = std::thread([this] { loop(); });
+  pthread_setname_np(thread_.native_handle(), "myccl-engine");  // named before it can be listed
 }
 
 CpuEngine::~CpuEngine() {
@@ -191,6 +190,7 @@ void CpuEngine::runOp(Op& op) {
               Clock::now() + info.timeout, scratch_,
               static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get(), &topo_};
   ctx.hierarchical = cfg_.hierarchical;
+  ctx.par = par_.get();
   const auto t0 = Clock::now();
   try {
     if (cfg_.debugDetail && size_ > 1) checkFingerprint(ctx, op);

@@ -19,6 +19,7 @@
 #include "myccl/Recorder.hpp"
 #include "myccl/Topology.hpp"
 #include "myccl/Work.hpp"
+#include "myccl/cpu/Parallel.hpp"
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/algorithms/Algorithms.hpp"
 #include "myccl/cpu/transport/Shm.hpp"
@@ -118,6 +119,7 @@ class CpuEngine {
 
   std::shared_ptr<Transport> transport_;
   std::shared_ptr<ShmGroup> shm_;
+  std::unique_ptr<Parallel> par_;
   const Topology topo_;
   const int rank_;
   const int size_;

@@ -2,12 +2,14 @@
 // over the message transport otherwise), and holds what all algorithms share: scratch
 // memory and the tag layout.
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 #include "Direct.hpp"
 #include "Hierarchical.hpp"
 #include "ShmAlgorithms.hpp"
 #include "myccl/Topology.hpp"
+#include "myccl/cpu/Parallel.hpp"
 
 namespace myccl::cpu {
 
@@ -46,6 +48,34 @@ uint64_t collectiveTagBase(uint8_t opCode, uint64_t seq) {
 uint64_t p2pTag(int userTag) {
   return static_cast<uint32_t>(userTag);
 }
+namespace {
+constexpr size_t kParallelMinBytes = 256 * 1024;  // below this a hand-off costs more than it saves
+}
+
+void parallelCopy(CollCtx& c, void* dst, const void* src, size_t nbytes) {
+  if (!nbytes || dst == src) return;
+  if (!c.par || c.par->threads() == 1 || nbytes < 2 * kParallelMinBytes) {
+    std::memcpy(dst, src, nbytes);
+    return;
+  }
+  c.par->run(nbytes, kParallelMinBytes, [&](size_t b, size_t e) {
+    std::memcpy(static_cast<char*>(dst) + b, static_cast<const char*>(src) + b, e - b);
+  });
+}
+
+void parallelReduce(CollCtx& c, const ReduceSpec& spec, void* out, const void* const* ins, int n, size_t count) {
+  const size_t es = dtypeSize(spec.dtype);
+  if (!c.par || c.par->threads() == 1 || count * es < 2 * kParallelMinBytes) {
+    reduceInto(spec, out, ins, n, count);
+    return;
+  }
+  c.par->run(count, kParallelMinBytes / es, [&](size_t b, size_t e) {
+    std::vector<const void*> part(n);
+    for (int i = 0; i < n; ++i) part[i] = static_cast<const char*>(ins[i]) + b * es;
+    reduceInto(spec, static_cast<char*>(out) + b * es, part.data(), n, e - b);
+  });
+}
+
 uint32_t agreementWord(const ReduceSpec& spec, size_t count) {
   uint64_t h = 0x9e3779b97f4a7c15ull;
   auto mix = [&](uint64_t v) { h = (h ^ v) * 0xff51afd7ed558ccdull; h ^= h >> 33; };

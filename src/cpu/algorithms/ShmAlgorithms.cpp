@@ -33,8 +33,8 @@ uint64_t reduceArg(size_t count, const ReduceSpec& spec) {
          static_cast<uint64_t>(spec.op) | (spec.divisor ? 0x80 : 0);
 }
 
-void copy(void* dst, const void* src, size_t n) {
-  if (n && dst != src) std::memcpy(dst, src, n);
+void copy(CollCtx& c, void* dst, const void* src, size_t n) {
+  parallelCopy(c, dst, src, n);
 }
 
 // Ops at least this large first check whether every rank's buffer lives in registered shared
@@ -85,11 +85,11 @@ void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpe
   if (nbytes <= std::min(kOneStepReduceBytes, g.stagingBytes()) || count < static_cast<size_t>(n)) {
     c.algo = "shm-one-step";
     const uint32_t s = g.begin(desc, c.deadline);
-    copy(g.buffer(me, s & 1), data, nbytes);
+    copy(c, g.buffer(me, s & 1), data, nbytes);
     g.post(s);
     g.waitAll(s, c.deadline);
     for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(data) : g.buffer(q, s & 1);
-    reduceInto(spec, data, ins.data(), n, count);
+    parallelReduce(c, spec, data, ins.data(), n, count);
     return;
   }
   std::vector<size_t> so, sc;
@@ -101,11 +101,11 @@ void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpe
       partition(count, n, so, sc);
       for (int q = 0; q < n; ++q) ins[q] = ptrs[q] + so[me] * es;
       const uint32_t a = g.begin(desc, c.deadline);
-      reduceInto(spec, data + so[me] * es, ins.data(), n, sc[me]);
+      parallelReduce(c, spec, data + so[me] * es, ins.data(), n, sc[me]);
       g.post(a);
       g.waitAll(a, c.deadline);
       for (int q = 0; q < n; ++q)
-        if (q != me) copy(data + so[q] * es, ptrs[q] + so[q] * es, sc[q] * es);
+        if (q != me) copy(c, data + so[q] * es, ptrs[q] + so[q] * es, sc[q] * es);
       finishZeroCopy(c, g, desc);
       return;
     }
@@ -120,19 +120,19 @@ void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpe
     const uint32_t a = g.begin(desc, c.deadline);
     char* stageA = g.buffer(me, a & 1);
     for (int q = 0; q < n; ++q)
-      if (q != me) copy(stageA + so[q] * es, base + so[q] * es, sc[q] * es);
+      if (q != me) copy(c, stageA + so[q] * es, base + so[q] * es, sc[q] * es);
     g.post(a);
     g.waitAll(a, c.deadline);
     // Step B: reduce my slice out of everybody's step-A buffer, publish it.
     const uint32_t b = g.begin(desc, c.deadline);
     char* mine = base + so[me] * es;
     for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(mine) : g.buffer(q, a & 1) + so[me] * es;
-    reduceInto(spec, mine, ins.data(), n, sc[me]);
-    copy(g.buffer(me, b & 1) + so[me] * es, mine, sc[me] * es);
+    parallelReduce(c, spec, mine, ins.data(), n, sc[me]);
+    copy(c, g.buffer(me, b & 1) + so[me] * es, mine, sc[me] * es);
     g.post(b);
     g.waitAll(b, c.deadline);
     for (int q = 0; q < n; ++q)
-      if (q != me) copy(base + so[q] * es, g.buffer(q, b & 1) + so[q] * es, sc[q] * es);
+      if (q != me) copy(c, base + so[q] * es, g.buffer(q, b & 1) + so[q] * es, sc[q] * es);
   }
 }
 
@@ -145,7 +145,7 @@ void broadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root) {
     std::vector<char*> ptrs;
     if (agreeZeroCopy(c, g, desc, data, nbytes, {root}, ptrs)) {
       c.algo = "shm-zero-copy";
-      if (me != root) copy(data, ptrs[root], nbytes);
+      if (me != root) copy(c, data, ptrs[root], nbytes);
       finishZeroCopy(c, g, desc);
       return;
     }
@@ -156,11 +156,11 @@ void broadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root) {
   for (size_t off = 0; off < nbytes; off += chunk) {
     const size_t m = std::min(chunk, nbytes - off);
     const uint32_t s = g.begin(desc, c.deadline);
-    if (me == root) copy(g.buffer(me, s & 1), data + off, m);
+    if (me == root) copy(c, g.buffer(me, s & 1), data + off, m);
     g.post(s);
     if (me != root) {
       g.wait(root, s, c.deadline);
-      copy(data + off, g.buffer(root, s & 1), m);
+      copy(c, data + off, g.buffer(root, s & 1), m);
     }
   }
 }
@@ -175,12 +175,12 @@ void reduce(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, co
   if (nbytes <= std::min(kOneStepReduceBytes, g.stagingBytes()) || count < static_cast<size_t>(n)) {
     c.algo = "shm-one-step";
     const uint32_t s = g.begin(desc, c.deadline);
-    if (me != root) copy(g.buffer(me, s & 1), src, nbytes);
+    if (me != root) copy(c, g.buffer(me, s & 1), src, nbytes);
     g.post(s);
     if (me == root) {
       g.waitAll(s, c.deadline);
       for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(src) : g.buffer(q, s & 1);
-      reduceInto(spec, out, ins.data(), n, count);
+      parallelReduce(c, spec, out, ins.data(), n, count);
     }
     return;
   }
@@ -194,7 +194,7 @@ void reduce(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, co
     const uint32_t a = g.begin(desc, c.deadline);
     char* stageA = g.buffer(me, a & 1);
     for (int q = 0; q < n; ++q)
-      if (q != me) copy(stageA + so[q] * es, base + so[q] * es, sc[q] * es);
+      if (q != me) copy(c, stageA + so[q] * es, base + so[q] * es, sc[q] * es);
     g.post(a);
     g.waitAll(a, c.deadline);
     const uint32_t b = g.begin(desc, c.deadline);
@@ -202,13 +202,13 @@ void reduce(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, co
     char* dst = (me == root) ? static_cast<char*>(out) + (off + so[me]) * es : g.buffer(me, b & 1) + so[me] * es;
     for (int q = 0; q < n; ++q)
       ins[q] = (q == me) ? static_cast<const void*>(base + so[me] * es) : g.buffer(q, a & 1) + so[me] * es;
-    reduceInto(spec, dst, ins.data(), n, sc[me]);
+    parallelReduce(c, spec, dst, ins.data(), n, sc[me]);
     g.post(b);
     if (me == root) {
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
         g.wait(q, b, c.deadline);
-        copy(static_cast<char*>(out) + (off + so[q]) * es, g.buffer(q, b & 1) + so[q] * es, sc[q] * es);
+        copy(c, static_cast<char*>(out) + (off + so[q]) * es, g.buffer(q, b & 1) + so[q] * es, sc[q] * es);
       }
     }
   }
@@ -221,13 +221,13 @@ void allgatherv(CollCtx& c, ShmGroup& g, const void* in, void* const* outs, cons
   for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
   const StepDesc desc{c.tagBase, (static_cast<uint64_t>(total) << 8) | (rootOnly ? static_cast<uint64_t>(root) : 0xff)};
   const bool receiver = !rootOnly || me == root;
-  if (receiver) copy(outs[me], in, nbytes[me]);
+  if (receiver) copy(c, outs[me], in, nbytes[me]);
   if (!rootOnly && total >= kZeroCopyMinBytes) {
     std::vector<char*> ptrs;
     if (agreeZeroCopy(c, g, desc, in, nbytes[me], everyone(n), ptrs)) {
       c.algo = "shm-zero-copy";
       for (int q = 0; q < n; ++q)
-        if (q != me) copy(outs[q], ptrs[q], nbytes[q]);
+        if (q != me) copy(c, outs[q], ptrs[q], nbytes[q]);
       finishZeroCopy(c, g, desc);
       return;
     }
@@ -237,13 +237,13 @@ void allgatherv(CollCtx& c, ShmGroup& g, const void* in, void* const* outs, cons
   for (size_t off = 0; off < most; off += chunk) {
     const uint32_t s = g.begin(desc, c.deadline);
     if (off < nbytes[me] && !(rootOnly && me == root))
-      copy(g.buffer(me, s & 1), static_cast<const char*>(in) + off, std::min(chunk, nbytes[me] - off));
+      copy(c, g.buffer(me, s & 1), static_cast<const char*>(in) + off, std::min(chunk, nbytes[me] - off));
     g.post(s);
     if (!receiver) continue;
     for (int q = 0; q < n; ++q) {
       if (q == me || off >= nbytes[q]) continue;
       g.wait(q, s, c.deadline);
-      copy(static_cast<char*>(outs[q]) + off, g.buffer(q, s & 1), std::min(chunk, nbytes[q] - off));
+      copy(c, static_cast<char*>(outs[q]) + off, g.buffer(q, s & 1), std::min(chunk, nbytes[q] - off));
     }
   }
 }
@@ -253,7 +253,7 @@ void scatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const 
   size_t most = 0, total = 0;
   for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
   const StepDesc desc{c.tagBase, (static_cast<uint64_t>(total) << 8) | static_cast<uint64_t>(root)};
-  if (me == root) copy(out, ins[me], nbytes[me]);
+  if (me == root) copy(c, out, ins[me], nbytes[me]);
   c.algo = "shm-staged";
   const size_t region = std::max<size_t>(64, g.stagingBytes() / n / 64 * 64);
   for (size_t off = 0; off < most; off += region) {
@@ -262,12 +262,12 @@ void scatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const 
       char* stage = g.buffer(me, s & 1);
       for (int q = 0; q < n; ++q)
         if (q != me && off < nbytes[q])
-          copy(stage + q * region, static_cast<const char*>(ins[q]) + off, std::min(region, nbytes[q] - off));
+          copy(c, stage + q * region, static_cast<const char*>(ins[q]) + off, std::min(region, nbytes[q] - off));
     }
     g.post(s);
     if (me != root && off < nbytes[me]) {
       g.wait(root, s, c.deadline);
-      copy(static_cast<char*>(out) + off, g.buffer(root, s & 1) + me * region, std::min(region, nbytes[me] - off));
+      copy(c, static_cast<char*>(out) + off, g.buffer(root, s & 1) + me * region, std::min(region, nbytes[me] - off));
     }
   }
 }
@@ -292,7 +292,7 @@ void reduceScatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, 
     if (agreeZeroCopy(c, g, desc, contiguous ? ins[0] : nullptr, contiguous ? total * es : 0, everyone(n), ptrs)) {
       c.algo = "shm-zero-copy";
       for (int q = 0; q < n; ++q) from[q] = ptrs[q] + prefix[me] * es;
-      reduceInto(spec, out, from.data(), n, counts[me]);
+      parallelReduce(c, spec, out, from.data(), n, counts[me]);
       finishZeroCopy(c, g, desc);
       return;
     }
@@ -304,14 +304,14 @@ void reduceScatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, 
     char* stage = g.buffer(me, s & 1);
     for (int q = 0; q < n; ++q)
       if (q != me && off < counts[q])
-        copy(stage + q * region * es, static_cast<const char*>(ins[q]) + off * es, std::min(region, counts[q] - off) * es);
+        copy(c, stage + q * region * es, static_cast<const char*>(ins[q]) + off * es, std::min(region, counts[q] - off) * es);
     g.post(s);
     if (off >= counts[me]) continue;
     g.waitAll(s, c.deadline);
     const size_t m = std::min(region, counts[me] - off);
     for (int q = 0; q < n; ++q)
       from[q] = (q == me) ? static_cast<const char*>(ins[me]) + off * es : g.buffer(q, s & 1) + me * region * es;
-    reduceInto(spec, static_cast<char*>(out) + off * es, from.data(), n, m);
+    parallelReduce(c, spec, static_cast<char*>(out) + off * es, from.data(), n, m);
   }
 }
 
@@ -338,19 +338,19 @@ void alltoallv(CollCtx& c, ShmGroup& g, const void* const* sends, const size_t* 
                       g.groupRank(q));
     }
   }
-  copy(recvs[me], sends[me], recvBytes[me]);
+  copy(c, recvs[me], sends[me], recvBytes[me]);
   const size_t region = std::max<size_t>(64, g.stagingBytes() / n / 64 * 64);
   for (size_t off = 0; off < most; off += region) {
     const uint32_t s = g.begin(desc, c.deadline);
     char* stage = g.buffer(me, s & 1);
     for (int q = 0; q < n; ++q)
       if (q != me && off < sendBytes[q])
-        copy(stage + q * region, static_cast<const char*>(sends[q]) + off, std::min(region, sendBytes[q] - off));
+        copy(c, stage + q * region, static_cast<const char*>(sends[q]) + off, std::min(region, sendBytes[q] - off));
     g.post(s);
     for (int q = 0; q < n; ++q) {
       if (q == me || off >= recvBytes[q]) continue;
       g.wait(q, s, c.deadline);
-      copy(static_cast<char*>(recvs[q]) + off, g.buffer(q, s & 1) + me * region, std::min(region, recvBytes[q] - off));
+      copy(c, static_cast<char*>(recvs[q]) + off, g.buffer(q, s & 1) + me * region, std::min(region, recvBytes[q] - off));
     }
   }
 }

@@ -240,10 +240,8 @@ TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, Tcp
     pev.data.u32 = static_cast<uint32_t>(r);
     epoll_ctl(epfd_, EPOLL_CTL_ADD, p.fd, &pev);
   }
-  io_ = std::thread([this] {
-    pthread_setname_np(pthread_self(), "myccl-tcp-io");
-    ioLoop();
-  });
+  io_ = std::thread([this] { ioLoop(); });
+  pthread_setname_np(io_.native_handle(), "myccl-tcp-io");
 }
 
 TcpTransport::~TcpTransport() {

@@ -19,6 +19,7 @@ struct Topology;
 namespace myccl::cpu {
 
 class ShmGroup;
+class Parallel;
 
 // Engine-owned memory, cached across ops (fresh allocations per call cost up to half the
 // bandwidth of large collectives). A slot keeps its pointer until the next get() of that slot.
@@ -52,6 +53,7 @@ struct CollCtx {
   const Topology* topo = nullptr;        // the whole group's hosts (hierarchical algorithms)
   const std::vector<int>* members = nullptr;  // position -> group rank; null: the whole group
   bool hierarchical = true;                   // two-level algorithms allowed across hosts
+  Parallel* par = nullptr;                    // helper threads (MYCCL_NUM_THREADS > 1)
   const char* algo = "none";  // set by the algorithm that ran (stats, traces)
   size_t bytes = 0;           // payload of the op as this rank sees it (stats, traces)
 
@@ -76,6 +78,10 @@ struct CollCtx {
     return c;
   }
 };
+
+// Copies and reductions of large buffers, split across the group's helper threads if any.
+void parallelCopy(CollCtx& c, void* dst, const void* src, size_t nbytes);
+void parallelReduce(CollCtx& c, const ReduceSpec& spec, void* out, const void* const* ins, int n, size_t count);
 
 // The agreement word of a reduction: equal on every rank that runs the same reduction.
 uint32_t agreementWord(const ReduceSpec& spec, size_t count);
