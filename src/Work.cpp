@@ -138,6 +138,14 @@ void MycclWork::abort() {
   markDone(makeDistError("myccl: " + info_.describe() + ": aborted"));
 }
 
+void MycclWork::settleFuture(std::exception_ptr error) {
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> MycclWork::getFuture() {
   return future_;
 }
@@ -169,11 +177,7 @@ void MycclWork::markDone(std::exception_ptr error) {
     endedAt_ = std::chrono::steady_clock::now();
   }
   // The future first (as gloo does): once wait() returns, the future's value is there too.
-  if (error) {
-    future_->setError(error);
-  } else {
-    future_->markCompleted(c10::IValue(outputs_));
-  }
+  settleFuture(error);
   finish(error);  // sets completed_/exception_, wakes waiters, closes the profiler range
   inputs_.clear();
 }

@@ -69,7 +69,9 @@ class Ctx:
 
 
 def _worker(rank: int, size: int, store_port: int, conn, env: dict) -> None:
-    os.environ.update(env)
+    # "{rank}" in a world env value becomes this process's rank (e.g. NCCL_HOSTID=host{rank}),
+    # set before torch or NCCL read anything.
+    os.environ.update({k: str(v).replace("{rank}", str(rank)) for k, v in env.items()})
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
     import torch  # noqa: F401 (import once, up front)
@@ -111,6 +113,9 @@ def _worker(rank: int, size: int, store_port: int, conn, env: dict) -> None:
 
 
 class World:
+    """`env` is set in every rank's process at start; "{rank}" in a value is replaced by the
+    rank, for settings that must differ per process before any library reads them."""
+
     def __init__(self, size: int, env: dict | None = None):
         import torch.distributed as dist
 

@@ -65,6 +65,11 @@ class MycclWork : public c10d::Work {
   void setCanceller(std::function<bool()> cancel);
 
  protected:
+  // How markDone settles future_ (completed with the outputs, or failed). A subclass whose
+  // future is completed elsewhere (the NCCL work completes its CUDA-aware future when its ops
+  // are enqueued) overrides it; called at most once, before waiters are woken.
+  virtual void settleFuture(std::exception_ptr error);
+
   OpInfo info_;
   std::vector<at::Tensor> inputs_;   // kept alive until completion
   std::vector<at::Tensor> outputs_;

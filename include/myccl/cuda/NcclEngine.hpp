@@ -21,7 +21,10 @@ class NcclEngine {
  public:
   using WorkPtr = c10::intrusive_ptr<MycclWork>;
 
-  NcclEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::string group, const Config& cfg);
+  // `timeout` bounds communicator creation by eagerConnect() and the graceful shutdown; zero
+  // means the store's timeout. (Ops carry their own timeout in OpInfo.)
+  NcclEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::string group, const Config& cfg,
+             std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   ~NcclEngine();
 
   // Every op: tensors are CUDA tensors on one device, already validated by the backend.
@@ -36,11 +39,13 @@ class NcclEngine {
   WorkPtr reduceScatter(OpInfo info, std::vector<std::vector<at::Tensor>> inputs, std::vector<at::Tensor> outputs,
                         const Reduction& red, bool asyncOp);
   WorkPtr alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs, bool asyncOp);
+  // wait() on a barrier's Work also blocks the host until every rank arrived (within the timeout).
   WorkPtr barrier(OpInfo info, at::Device device);
   WorkPtr send(OpInfo info, at::Tensor t, int peer);
   WorkPtr recv(OpInfo info, at::Tensor t, int peer);
 
-  // ncclGroupStart/End around everything issued in between (batch_isend_irecv).
+  // Ops issued in between are held and issued at endCoalescing inside one ncclGroupStart/End
+  // (batch_isend_irecv); they must all use one device. endCoalescing's Work covers all of them.
   void startCoalescing();
   WorkPtr endCoalescing(OpInfo info);
 

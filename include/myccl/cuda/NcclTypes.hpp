@@ -1,0 +1,31 @@
+// How elements and reductions map onto NCCL: which NCCL type a buffer travels as, in which
+// dtype it is staged (int16 has no NCCL type and is reduced as int32; complex travels as pairs
+// of reals), and which NCCL operator (bool SUM is MAX, PREMUL_SUM is a per-call operator).
+// Unsupported combinations raise ValueError before anything is issued.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <nccl.h>
+
+#include <string>
+
+#include "myccl/Reduction.hpp"
+
+namespace myccl::cuda {
+
+struct NcclReduce {
+  ncclDataType_t type = ncclFloat32;  // element type NCCL sees
+  at::ScalarType stage = at::kFloat;  // dtype of the contiguous buffer handed to NCCL
+  int64_t perElement = 1;             // NCCL elements per tensor element (2 for complex)
+  ncclRedOp_t op = ncclSum;           // built-in operator, unless premul
+  bool premul = false;                // ncclRedOpCreatePreMulSum(factor) per launch
+  double factor = 1.0;
+};
+
+// `where` is "<op> (rank R)". Raises ValueError (MYCCL_CHECK_ARG) for what NCCL cannot do.
+NcclReduce planReduce(const Reduction& red, const std::string& where);
+
+// The premul factor as NCCL wants it for `type`, written into `out` (at least 8 bytes).
+void premulScalar(ncclDataType_t type, double factor, void* out);
+
+}  // namespace myccl::cuda
