@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 OPS = ["all_reduce", "all_reduce_bf16", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
        "gather", "scatter", "send_recv", "barrier"]
@@ -290,41 +291,6 @@ def report(rows: list[dict], world: int, args, baseline: str) -> dict:
             "torch": torch.__version__, "rows": table, "raw": rows}
 
 
-def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return
-    ops = [o for o in dict.fromkeys(r["op"] for r in result["raw"]) if o != "barrier"]
-    fig, axes = plt.subplots(2, len(ops), figsize=(3.2 * len(ops), 6), squeeze=False)
-    for j, op in enumerate(ops):
-        for backend, style in (("myccl", "-o"), (result["baseline"], "--s")):
-            pts = sorted((r["bytes"], r["busbw_gbs"], r["time_us"]) for r in result["raw"]
-                         if r["op"] == op and r["backend"] == backend)
-            if not pts:
-                continue
-            x = [p[0] for p in pts]
-            axes[0][j].plot(x, [p[1] for p in pts], style, ms=3, label=backend)
-            axes[1][j].plot(x, [p[2] for p in pts], style, ms=3, label=backend)
-        axes[0][j].set_title(op, fontsize=9)
-        for i in range(2):
-            axes[i][j].set_xscale("log", base=2)
-            axes[i][j].tick_params(labelsize=7)
-        axes[1][j].set_yscale("log")
-        axes[1][j].set_xlabel("bytes", fontsize=8)
-    axes[0][0].set_ylabel("busbw (GB/s)")
-    axes[1][0].set_ylabel("time per op (us)")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"collbench: world size {result['world_size']}, {result['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2)
@@ -371,7 +337,9 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"json: {out}")
-    plot(result, out[:-5] + ".png")
+    from plot import plot_collbench
+
+    plot_collbench(result, out[:-5] + ".png")
 
 
 if __name__ == "__main__":

@@ -163,9 +163,11 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   MYCCL_CHECK_ARG(cfg_.transport != "shm" || topo_.singleHost(), "init (rank ", rank,
                   "): MYCCL_TRANSPORT=shm but the group spans ", topo_.crossSize, " hosts");
-  recorder_ = std::make_shared<Recorder>(group_, rank, size, static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)));
+  recorder_ = std::make_shared<Recorder>(group_, rank, size,
+                                         static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)),
+                                         cfg_.flightRecorderDump);
   RecorderRegistry::get().add(recorder_);
-  if (cfg_.flightRecorderEntries > 0) RecorderRegistry::get().installSignalHandler(cfg_.flightRecorderDump);
+  if (cfg_.flightRecorderEntries > 0) RecorderRegistry::get().installSignalHandler();
   const bool viaShm = shm != nullptr;
   cpu_ = std::make_unique<cpu::CpuEngine>(std::move(transport), std::move(shm), topo_, group_, cfg_, recorder_);
   if (logEnabled(LogLevel::Info)) {
@@ -306,7 +308,12 @@ bool MycclBackend::ncclBuilt() const {
 cuda::NcclEngine& MycclBackend::nccl(const char* op) {
 #ifdef MYCCL_WITH_NCCL
   std::lock_guard<std::mutex> lk(ncclMu_);
-  if (!nccl_) nccl_ = std::make_shared<cuda::NcclEngine>(store_, rank_, size_, group_, cfg_);
+  if (!nccl_) {
+    nccl_ = std::make_shared<cuda::NcclEngine>(store_, rank_, size_, group_, cfg_, timeout_.load());
+    // Created inside a coalescing block: group this op with the rest of the block.
+    std::lock_guard<std::mutex> clk(coalesceMu_);
+    if (coalescing_) nccl_->startCoalescing();
+  }
   return *nccl_;
 #else
   MYCCL_CHECK(false, where(op), ": NCCL engine not built");
@@ -891,6 +898,12 @@ WorkRef MycclBackend::endCoalescing() {
   if (nccl_) works.push_back(nccl_->endCoalescing(i));
 #endif
   return combineWorks(std::move(i), std::move(works));
+}
+
+void MycclBackend::eagerConnectSingleDevice(at::Device device) {
+#ifdef MYCCL_WITH_NCCL
+  if (device.is_cuda()) nccl("eager_connect").eagerConnect(device);
+#endif
 }
 
 void MycclBackend::setTimeout(std::chrono::milliseconds timeout) {

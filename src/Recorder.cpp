@@ -74,8 +74,8 @@ void onSigusr1(int) {
 
 }  // namespace
 
-Recorder::Recorder(std::string group, int rank, int size, size_t capacity)
-    : group_(std::move(group)), rank_(rank), size_(size), capacity_(capacity) {
+Recorder::Recorder(std::string group, int rank, int size, size_t capacity, std::string dumpDir)
+    : group_(std::move(group)), rank_(rank), size_(size), dumpDir_(std::move(dumpDir)), capacity_(capacity) {
   ring_.resize(capacity_);
 }
 
@@ -254,23 +254,23 @@ std::vector<std::string> RecorderRegistry::dumpAll(const std::string& dir, const
   }
   std::vector<std::string> paths;
   for (auto& r : rs) {
-    auto p = r->dumpTo(dir, reason);
+    auto p = r->dumpTo(dir.empty() ? r->dumpDir() : dir, reason);
     if (!p.empty()) paths.push_back(p);
   }
   return paths;
 }
 
-void RecorderRegistry::installSignalHandler(const std::string& dir) {
+void RecorderRegistry::installSignalHandler() {
   static std::once_flag once;
-  std::call_once(once, [this, dir] {
+  std::call_once(once, [this] {
     if (pipe2(gSignalPipe, O_CLOEXEC) != 0) return;
     struct sigaction old {};
     sigaction(SIGUSR1, nullptr, &old);
     if (old.sa_handler != SIG_DFL && old.sa_handler != SIG_IGN) return;  // somebody else owns SIGUSR1
-    std::thread([this, dir] {
+    std::thread([this] {
       pthread_setname_np(pthread_self(), "myccl-sigusr1");
       char c;
-      while (::read(gSignalPipe[0], &c, 1) == 1 || errno == EINTR) dumpAll(dir, "SIGUSR1");
+      while (::read(gSignalPipe[0], &c, 1) == 1 || errno == EINTR) dumpAll("", "SIGUSR1");
     }).detach();
     struct sigaction sa {};
     sa.sa_handler = onSigusr1;

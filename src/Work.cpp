@@ -200,6 +200,17 @@ class CombinedWork final : public MycclWork {
     childDone(nullptr);  // the +1 above: children that finished before start() cannot complete us early
   }
 
+  // A CUDA child's future completes when its op is enqueued; waiting on this Work must also
+  // order the caller's stream after every child (and apply each child's own timeout policy).
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (auto& child : children_) child->wait(timeout);
+    return MycclWork::wait(timeout);
+  }
+
+  void synchronize() override {
+    for (auto& child : children_) child->synchronize();
+  }
+
  private:
   static std::vector<at::Tensor> collectOutputs(const std::vector<c10::intrusive_ptr<c10d::Work>>& cs) {
     std::vector<at::Tensor> out;

@@ -156,11 +156,9 @@ def _stop_at_exit() -> None:
 
 
 def dump(dir: str | None = None, reason: str = "requested") -> list[str]:
-    """Writes the flight recorder of every myccl group of this process now; returns the paths."""
-    from ..config import parse_env
-
-    d = dir or parse_env()["flight_recorder_dump"]
-    return list(_C().dump_all_flight_recorders(d, reason))
+    """Writes the flight recorder of every myccl group of this process now (to `dir`, or to
+    each group's MYCCL_FLIGHT_RECORDER_DUMP directory); returns the paths."""
+    return list(_C().dump_all_flight_recorders(dir or "", reason))
 
 
 # ---- merge ----------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ class MycclBackend final : public c10d::Backend {
   at::Tensor sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype);
   bool supportsTensorAlloc(c10::DeviceIndex deviceIdx) override;
 
+  void eagerConnectSingleDevice(at::Device device) override;
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 

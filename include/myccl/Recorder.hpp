@@ -29,7 +29,8 @@ struct OpRecord {
 
 class Recorder {
  public:
-  Recorder(std::string group, int rank, int size, size_t capacity);
+  // `dumpDir`: where automatic dumps (timeout, error, SIGUSR1) of this group go.
+  Recorder(std::string group, int rank, int size, size_t capacity, std::string dumpDir);
 
   // Returns the record id (0 when nothing is recorded: flight recorder off and not tracing).
   uint64_t queued(const OpInfo& info, bool p2p);
@@ -43,6 +44,7 @@ class Recorder {
   std::string dumpTo(const std::string& dir, const std::string& reason) const;
 
   const std::string& group() const { return group_; }
+  const std::string& dumpDir() const { return dumpDir_; }
   int rank() const { return rank_; }
 
   static int64_t nowUs();
@@ -55,6 +57,7 @@ class Recorder {
 
   const std::string group_;
   const int rank_, size_;
+  const std::string dumpDir_;
   const size_t capacity_;
   mutable std::mutex mu_;
   std::vector<OpRecord> ring_;
@@ -70,9 +73,10 @@ class RecorderRegistry {
   void add(const std::shared_ptr<Recorder>& r);
   void retire(const std::shared_ptr<Recorder>& r);  // the group is gone
   std::vector<std::shared_ptr<Recorder>> all() const;
+  // Every live group to `dir` ("" : each to its own dump directory).
   std::vector<std::string> dumpAll(const std::string& dir, const std::string& reason) const;
-  // Installs the SIGUSR1 handler (once): a helper thread dumps every group to `dir`.
-  void installSignalHandler(const std::string& dir);
+  // Installs the SIGUSR1 handler (once): a helper thread dumps every group.
+  void installSignalHandler();
 
  private:
   mutable std::mutex mu_;

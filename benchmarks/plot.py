@@ -1,0 +1,89 @@
+"""Benchmark JSON -> PNG charts (busbw and latency against size, per op, myccl vs baseline).
+
+    python benchmarks/plot.py bench_out/collbench_cpu_ws2.json [more.json ...]
+    python benchmarks/plot.py bench_out/ddp_bench.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def plot_collbench(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    ops = [o for o in dict.fromkeys(r["op"] for r in result["raw"]) if o != "barrier"]
+    fig, axes = plt.subplots(2, len(ops), figsize=(3.2 * len(ops), 6), squeeze=False)
+    for j, op in enumerate(ops):
+        for backend, style in (("myccl", "-o"), (result["baseline"], "--s")):
+            pts = sorted((r["bytes"], r["busbw_gbs"], r["time_us"]) for r in result["raw"]
+                         if r["op"] == op and r["backend"] == backend)
+            if not pts:
+                continue
+            x = [p[0] for p in pts]
+            axes[0][j].plot(x, [p[1] for p in pts], style, ms=3, label=backend)
+            axes[1][j].plot(x, [p[2] for p in pts], style, ms=3, label=backend)
+        axes[0][j].set_title(op, fontsize=9)
+        for i in range(2):
+            axes[i][j].set_xscale("log", base=2)
+            axes[i][j].tick_params(labelsize=7)
+        axes[1][j].set_yscale("log")
+        axes[1][j].set_xlabel("bytes", fontsize=8)
+    axes[0][0].set_ylabel("busbw (GB/s)")
+    axes[1][0].set_ylabel("time per op (us)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"collbench: world size {result['world_size']}, {result['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def plot_generic_rows(result: dict, path: str) -> None:
+    """Bar chart for benchmarks that report named rows with a time (e.g. ddp_bench)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    rows = result.get("rows", [])
+    labels = [r.get("name") or r.get("label") or str(i) for i, r in enumerate(rows)]
+    key = next((k for k in ("step_ms", "time_ms", "time_us") if rows and k in rows[0]), None)
+    if key is None:
+        print(f"{path}: nothing to plot")
+        return
+    fig, ax = plt.subplots(figsize=(1.2 + 1.3 * len(rows), 3.2))
+    ax.bar(labels, [r[key] for r in rows])
+    ax.set_ylabel(key)
+    ax.tick_params(axis="x", labelsize=7, rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__)
+        return 2
+    for p in argv:
+        with open(p) as f:
+            result = json.load(f)
+        out = p[:-5] + ".png" if p.endswith(".json") else p + ".png"
+        if "raw" in result and "baseline" in result:
+            plot_collbench(result, out)
+        else:
+            plot_generic_rows(result, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
