@@ -109,3 +109,9 @@ def shared_tensor(shape, dtype: torch.dtype = torch.float32, group=None) -> torc
 
 
 __all__ += ["shared_tensor"]
+
+
+from . import hooks  # noqa: E402
+from .ddp import DistributedDataParallel  # noqa: E402
+
+__all__ += ["DistributedDataParallel", "hooks"]
