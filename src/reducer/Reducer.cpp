@@ -598,9 +598,12 @@ void Reducer::finalizeBackward() {
       const bool noGradient = !opts_.findUnusedParameters && !opts_.staticGraph && !gotGradient_[i];
       if (!ready_[i] || noGradient) missing.push_back(i);
     }
+    std::string missingError;
+    std::exception_ptr failure;
     if (!missing.empty()) {
       // Reduce what is left (zeros where nothing arrived) so that ranks which did get every
-      // gradient are not left waiting in a collective this rank never joins.
+      // gradient are not left waiting in a collective this rank never joins; the iteration
+      // then counts as done everywhere, so later collectives (the rebuild) stay aligned.
       for (size_t i : missing) {
         if (ready_[i]) continue;
         const Locator loc = where_[i];
@@ -615,38 +618,37 @@ void Reducer::finalizeBackward() {
       launchReadyBuckets();
       if (usedMapNeeded()) launchUsedMap(localUsed_);
       waitAllQuietly();
-      if (dynamicFindUnused()) std::fill(localUsed_.begin(), localUsed_.end(), 0);
-      endIteration();
-      MYCCL_CHECK(false, where(), ": ", missing.size(), " of ", n,
-                  " parameters received no gradient in this backward: ", describe(missing),
-                  ". With find_unused_parameters=False every parameter must take part in every backward. "
-                  "Gradients were NOT synchronised; do not step the optimizer for this iteration. Pass "
-                  "find_unused_parameters=True (or static_graph=True if the same parameters are unused in every "
-                  "iteration), or make the loss depend on all of the module's outputs.");
-    }
-    if (usedMapNeeded()) launchUsedMap(localUsed_);
-    std::exception_ptr failure;
-    try {
-      for (auto& b : buckets_) {
-        b.future->wait();
-        writeBack(b);
-      }
-      if (usedMapNeeded() && !usedReduced_) usedWork_->wait();  // its tensor is reused next time
-      if (firstStatic) {
-        // Everything about the graph is known now: what counts as complete, what is unused.
-        if (!usedReduced_) {
-          at::Tensor h = usedDev_.cpu();
-          reducedUsed_.assign(h.data_ptr<int32_t>(), h.data_ptr<int32_t>() + h.numel());
-          usedReduced_ = true;
+      missingError = c10::str(
+          where(), ": ", missing.size(), " of ", n, " parameters received no gradient in this backward: ",
+          describe(missing),
+          ". With find_unused_parameters=False every parameter must take part in every backward. Gradients "
+          "were NOT synchronised; do not step the optimizer for this iteration. Pass find_unused_parameters=True "
+          "(or static_graph=True if the same parameters are unused in every iteration), or make the loss "
+          "depend on all of the module's outputs.");
+    } else {
+      if (usedMapNeeded()) launchUsedMap(localUsed_);
+      try {
+        for (auto& b : buckets_) {
+          b.future->wait();
+          writeBack(b);
         }
-        globalUsed_.assign(n, 0);
-        for (size_t i = 0; i < n; ++i) globalUsed_[i] = reducedUsed_[i] != 0;
-        unused_.clear();
-        for (size_t i = 0; i < n; ++i)
-          if (hookCount_[i] == 0) unused_.push_back(static_cast<int64_t>(i));
+        if (usedMapNeeded() && !usedReduced_) usedWork_->wait();  // its tensor is reused next time
+        if (firstStatic) {
+          // Everything about the graph is known now: what counts as complete, what is unused.
+          if (!usedReduced_) {
+            at::Tensor h = usedDev_.cpu();
+            reducedUsed_.assign(h.data_ptr<int32_t>(), h.data_ptr<int32_t>() + h.numel());
+            usedReduced_ = true;
+          }
+          globalUsed_.assign(n, 0);
+          for (size_t i = 0; i < n; ++i) globalUsed_[i] = reducedUsed_[i] != 0;
+          unused_.clear();
+          for (size_t i = 0; i < n; ++i)
+            if (hookCount_[i] == 0) unused_.push_back(static_cast<int64_t>(i));
+        }
+      } catch (...) {
+        failure = std::current_exception();
       }
-    } catch (...) {
-      failure = std::current_exception();
     }
     if (dynamicFindUnused()) std::fill(localUsed_.begin(), localUsed_.end(), 0);
     endIteration();
@@ -666,6 +668,7 @@ void Reducer::finalizeBackward() {
     for (const auto& b : buckets_) current_.buckets.push_back(b.times);
     history_.push_back(current_);
     while (history_.size() > std::max<size_t>(1, opts_.statsIterations)) history_.pop_front();
+    MYCCL_CHECK(missingError.empty(), missingError);
     if (observer_ && Recorder::tracing()) {
       observer = observer_;
       record = current_;
