@@ -8,6 +8,7 @@ launching, waiting and averaging happen in the C++ Reducer.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import warnings
@@ -49,6 +50,19 @@ class _OutputSink(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.reducer.backward_started()
         return (None, *grads)
+
+
+def _find_tensors(obj) -> list:
+    """Tensors inside containers pytree does not know (dataclasses), for the unused-parameter walk."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _find_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _find_tensors(o)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _find_tensors(getattr(obj, f.name))]
+    return []
 
 
 def _emit_trace(it: dict) -> None:
@@ -241,9 +255,13 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self.require_forward_param_sync = False
                 return output
             self.require_forward_param_sync = True
-            output, tensors = self._attach_sink(output)
-            walk = self.find_unused_parameters and not self.static_graph
-            self.reducer.prepare_for_backward(tensors if walk else [], bool(tensors))
+            output, routed = self._attach_sink(output)
+            walked = []
+            if self.find_unused_parameters and not self.static_graph:
+                walked = routed or [t for t in _find_tensors(output) if t.requires_grad]
+            # Without the sink (no output tensor pytree can see) the Reducer falls back to
+            # finishing at the end of the graph task that runs the first gradient hook.
+            self.reducer.prepare_for_backward(walked, bool(routed))
             return output
 
     def _to_device(self, x):
