@@ -126,10 +126,13 @@ def worker(rank: int, size: int, port: int, name: str, args, queue) -> None:
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     grads = grad_storage_bytes(ddp) if impl == "ours" else None  # torch's buckets are not visible
     algos = sorted(k for k in c10d_ext.stats()) if backend == "myccl" else []
+    # Ours: how much of each backward's reduction was left after autograd finished.
+    tails = [(it["finished_us"] - it["backward_end_us"]) / 1e3 for it in ddp.bucket_stats()] if impl == "ours" else []
     if rank == 0:
         queue.put({"config": name, "params": nparams, "step_times_s": t.tolist(), "peak_pss_bytes": mem[0].item(),
                    "peak_rss_bytes": mem[1].item(),
-                   "grad_storage_bytes": grads, "myccl_algorithms": algos})
+                   "grad_storage_bytes": grads, "myccl_algorithms": algos,
+                   "exposed_reduction_ms": tails})
     dist.destroy_process_group()
 
 

@@ -6,7 +6,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
-#include <torch/csrc/autograd/node.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
@@ -19,6 +18,10 @@
 
 #include "myccl/reducer/Buckets.hpp"
 #include "myccl/reducer/CommHook.hpp"
+
+namespace torch::autograd {
+struct Node;  // a parameter's gradient accumulator; complete in Reducer.cpp
+}
 
 namespace myccl::reducer {
 
@@ -93,7 +96,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   BucketPlan plan() const;
   std::vector<at::Tensor> bucketBuffers() const;  // dense buckets' flat buffers (undefined for sparse)
   uint64_t syncedIterations() const;
-  const std::vector<std::string>& names() const { return names_; }
 
  private:
   struct Bucket {
