@@ -14,6 +14,7 @@ Each test runs many checks inside one call of a reused world, so the file stays 
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -26,10 +27,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-def init(ctx, backend="myccl"):
-    # Tiny models on few cores: intra-op threads only add contention with the peer processes.
-    torch.set_num_threads(1)
-    ctx.init(backend)
+def one_thread(body):
+    """Tiny models on few cores: intra-op threads only contend with the peer processes. The
+    worlds are shared with other test files, so the setting is put back afterwards."""
+
+    @functools.wraps(body)
+    def wrapper(ctx, *args):
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return body(ctx, *args)
+        finally:
+            torch.set_num_threads(old)
+
+    return wrapper
 
 
 # ---- models --------------------------------------------------------------------------------
@@ -210,8 +221,9 @@ def compare_with_torch(ctx, model, cfg, pg, steps=5):
     return bad
 
 
+@one_thread
 def body_equivalence(ctx):
-    init(ctx)
+    ctx.init("myccl")
     bad, checked = [], 0
     for model, cfg in combos():
         bad += compare_with_torch(ctx, model, cfg, dist.group.WORLD)
@@ -281,11 +293,12 @@ class Wide(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+@one_thread
 def body_mechanics(ctx, trace_prefix):
     import c10d_ext
     from c10d_ext import trace
 
-    init(ctx)
+    ctx.init("myccl")
     bad = []
 
     def check(cond, what):
@@ -420,10 +433,11 @@ def _params_equal_everywhere(module):
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+@one_thread
 def body_unused(ctx):
     import c10d_ext
 
-    init(ctx)
+    ctx.init("myccl")
     bad = []
     x = torch.randn(4, 6)
 
@@ -515,11 +529,12 @@ def test_unused_parameters_and_early_error(run):
 # ---- 5. hooks, join, buffers, sparse, construction check -------------------------------------
 
 
+@one_thread
 def body_hooks(ctx):
     import c10d_ext
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    init(ctx)
+    ctx.init("myccl")
     bad = []
     pg = dist.group.WORLD
     x, y = batch("mlp", ctx.rank, 0, 0)
@@ -590,10 +605,11 @@ def body_hooks(ctx):
     return bad
 
 
+@one_thread
 def body_join_buffers_sparse(ctx):
     import c10d_ext
 
-    init(ctx)
+    ctx.init("myccl")
     bad = []
     r, n = ctx.rank, ctx.size
 
@@ -707,8 +723,9 @@ def test_arguments_are_checked():
 # ---- CUDA (NCCL through the same public API) -------------------------------------------------
 
 
+@one_thread
 def body_cuda(ctx):
-    init(ctx, "nccl")
+    ctx.init("nccl")
     torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
     bad = []
     for cfg in ("plain", "grad_view", "fp16_hook", "find_unused"):
