@@ -277,7 +277,8 @@ void bindReducer(py::module& m) {
            })
       .def("bucket_plan", &rd::Reducer::plan, py::call_guard<py::gil_scoped_release>())
       .def("bucket_buffers", &rd::Reducer::bucketBuffers, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("synced_iterations", &rd::Reducer::syncedIterations);
+      .def_property_readonly("synced_iterations", py::cpp_function(&rd::Reducer::syncedIterations,
+                                                                    py::call_guard<py::gil_scoped_release>()));
 
   m.def("_ddp_assign_buckets", &rd::assignBuckets, py::arg("params"), py::arg("order"), py::arg("expect_sparse"),
         py::arg("caps"));
