@@ -132,3 +132,9 @@ def cross_size(group=None) -> int:
 
 
 __all__ += ["local_rank", "local_size", "cross_rank", "cross_size"]
+
+
+from . import hooks  # noqa: E402
+from .ddp import DistributedDataParallel  # noqa: E402
+
+__all__ += ["DistributedDataParallel", "hooks"]

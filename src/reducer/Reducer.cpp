@@ -1,0 +1,750 @@
+// The Reducer: bucket buffers, autograd hooks, in-order asynchronous reductions that overlap
+// backward, the end-of-backward wait and write-back, unused-parameter handling and the one
+// bucket rebuild. The arithmetic (scale while copying in, sum, copy out) is the same as
+// torch's reducer so that both give bit-identical parameters on the same backend.
+#include "myccl/reducer/Reducer.hpp"
+
+#include <ATen/ScalarOps.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sparse_coo_tensor.h>
+#include <ATen/ops/view_as_real.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/utils/grad_layout_contract.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <sstream>
+#include <unordered_set>
+
+#include "myccl/Errors.hpp"
+#include "myccl/Log.hpp"
+#include "myccl/Recorder.hpp"
+
+namespace myccl::reducer {
+
+namespace {
+
+// Why hooks on the gradient accumulators (torch::autograd::impl::grad_accumulator) rather than
+// Python post-accumulate-grad hooks: they run in C++ on the autograd thread without taking
+// the GIL; the accumulator node is the very object the unused-parameter graph walk looks
+// for; the hook sees the gradient that arrived in this backward (its input), which tells a
+// parameter that got no gradient apart from one whose .grad merely holds an older value; and
+// it is the same engine path torch's reducer uses, so AccumulateGrad makes the same
+// steal-or-copy decisions and the gradients have the same bits under both DDPs.
+class ReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit ReadyHook(std::function<void(bool)> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& inputs) override {
+    fn_(!inputs.empty() && inputs[0].defined());
+    return outputs;
+  }
+
+ private:
+  std::function<void(bool)> fn_;
+};
+
+std::string shapeOf(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+at::Tensor emptySparseLike(const at::Tensor& param) {
+  // An embedding's gradient: one sparse dimension, dense rows.
+  auto sizes = param.sizes().vec();
+  std::vector<int64_t> vshape(sizes.begin() + 1, sizes.end());
+  vshape.insert(vshape.begin(), 0);
+  return at::sparse_coo_tensor(at::empty({1, 0}, param.options().dtype(at::kLong)),
+                               at::empty(vshape, param.options()), sizes);
+}
+
+}  // namespace
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<bool> expectSparse,
+                 c10::intrusive_ptr<c10d::ProcessGroup> pg, ReducerOptions opts)
+    : params_(std::move(params)), names_(std::move(names)), sparse_(std::move(expectSparse)), pg_(std::move(pg)),
+      opts_(opts), rank_(pg_->getRank()), worldSize_(pg_->getSize()) {
+  const size_t n = params_.size();
+  MYCCL_CHECK(n > 0, "ddp: rank ", rank_, ": the module has no parameters that require gradients");
+  MYCCL_CHECK(names_.size() == n && sparse_.size() == n, "ddp: rank ", rank_, ": ", n, " parameters but ",
+              names_.size(), " names and ", sparse_.size(), " sparse flags");
+  MYCCL_CHECK(opts_.caps.bytes > 0 && opts_.caps.firstBytes > 0, "ddp: rank ", rank_,
+              ": bucket caps must be positive, got first=", opts_.caps.firstBytes, " bytes, others=", opts_.caps.bytes);
+  for (size_t i = 0; i < n; ++i) {
+    MYCCL_CHECK(params_[i].requires_grad() && params_[i].is_leaf(), "ddp: rank ", rank_, ": parameter '", names_[i],
+                "' must be a leaf tensor that requires grad");
+  }
+  ready_.assign(n, 0);
+  gotGradient_.assign(n, 0);
+  localUsed_.assign(n, 0);
+  hookCount_.assign(n, 0);
+
+  // First plan: reverse registration order approximates the order backward produces gradients.
+  std::vector<int64_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(n - 1 - i);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    initializeBuckets(assignBuckets(params_, order, sparse_, opts_.caps));
+  }
+
+  for (size_t i = 0; i < n; ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    MYCCL_CHECK(acc, "ddp: rank ", rank_, ": parameter '", names_[i], "' has no gradient accumulator");
+    hookKeys_.push_back(acc->add_post_hook(std::make_unique<ReadyHook>([this, i](bool got) { autogradHook(i, got); })));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+Reducer::~Reducer() {
+  // Later backwards through these parameters must not call into a destroyed Reducer.
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hookKeys_[i]);
+}
+
+std::string Reducer::where() const {
+  return "ddp: rank " + std::to_string(rank_);
+}
+
+std::string Reducer::describe(const std::vector<size_t>& indices) const {
+  std::ostringstream os;
+  const size_t shown = std::min<size_t>(indices.size(), 20);
+  for (size_t k = 0; k < shown; ++k) os << (k ? ", " : "") << "'" << names_[indices[k]] << "'";
+  if (shown < indices.size()) os << " and " << indices.size() - shown << " more";
+  return os.str();
+}
+
+// ---- buckets ---------------------------------------------------------------------------------
+
+at::Tensor Reducer::allocateBuffer(int64_t numel, const at::TensorOptions& options, bool& fromBackend) {
+  fromBackend = false;
+  const auto device = options.device();
+  c10::intrusive_ptr<c10d::Backend> backend;
+  try {
+    backend = pg_->getBackend(device.type());
+  } catch (const std::exception&) {
+    // A group without a backend for this device type cannot offer memory for it either.
+  }
+  // CPU memory has no device index; the Backend API asks with -1 then.
+  if (backend && backend->supportsTensorAlloc(device.is_cpu() ? -1 : device.index())) {
+    try {
+      at::Tensor t = backend->allocateTensor(numel, options);
+      fromBackend = true;
+      return t;
+    } catch (const std::exception& e) {
+      logOnce("ddp-alloc", LogLevel::Warning,
+              where() + ": the backend offered bucket memory but allocate_tensor failed (" + e.what() +
+                  "); using ordinary memory");
+    }
+  }
+  return at::empty({numel}, options);
+}
+
+std::vector<at::Tensor> Reducer::viewsInto(const at::Tensor& flat, const Bucket& bucket) const {
+  std::vector<at::Tensor> views;
+  views.reserve(bucket.vars.size());
+  for (size_t s = 0; s < bucket.vars.size(); ++s) {
+    const at::Tensor& p = params_[bucket.vars[s]];
+    // Lay each view out like its parameter: AccumulateGrad gives dense parameters gradients
+    // with the parameter's strides, so copies in and out stay sequential.
+    if (p.is_non_overlapping_and_dense())
+      views.push_back(flat.as_strided(p.sizes(), p.strides(), flat.storage_offset() + bucket.offsets[s]));
+    else
+      views.push_back(flat.narrow(0, bucket.offsets[s], bucket.lengths[s]).view(p.sizes()));
+  }
+  return views;
+}
+
+void Reducer::initializeBuckets(const BucketPlan& plan) {
+  validatePlan(plan, params_, sparse_, names_);
+  at::NoGradGuard noGrad;
+  // With gradient_as_bucket_view, gradients that already live in the old buckets move with
+  // their parameters into the new ones.
+  std::vector<Bucket> old = std::move(buckets_);
+  buckets_.clear();
+  where_.assign(params_.size(), Locator{});
+  for (size_t b = 0; b < plan.size(); ++b) {
+    Bucket bucket;
+    bucket.vars = plan[b];
+    bucket.times.index = b;
+    bucket.times.numParams = bucket.vars.size();
+    if (bucket.vars.size() == 1 && sparse_[bucket.vars[0]]) {
+      bucket.sparse = true;
+      bucket.times.sparse = true;
+    } else {
+      int64_t offset = 0;
+      for (int64_t i : bucket.vars) {
+        bucket.offsets.push_back(offset);
+        bucket.lengths.push_back(params_[i].numel());
+        offset += params_[i].numel();
+      }
+      const at::Tensor& first = params_[bucket.vars[0]];
+      bool fromBackend = false;
+      bucket.buffer = allocateBuffer(offset, first.options().layout(at::kStrided).requires_grad(false), fromBackend);
+      bucket.times.backendMemory = fromBackend;
+      bucket.times.nbytes = offset * static_cast<int64_t>(first.element_size());
+      bucket.views = viewsInto(bucket.buffer, bucket);
+    }
+    for (size_t s = 0; s < bucket.vars.size(); ++s) where_[bucket.vars[s]] = Locator{b, s};
+    buckets_.push_back(std::move(bucket));
+  }
+  if (opts_.gradientAsBucketView) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor& grad = params_[i].mutable_grad();
+      const auto& loc = where_[i];
+      if (buckets_[loc.bucket].sparse || !grad.defined()) continue;
+      at::Tensor& view = buckets_[loc.bucket].views[loc.slot];
+      if (!grad.is_alias_of(view)) {
+        view.copy_(grad);
+        grad = view;
+      }
+    }
+  }
+}
+
+bool Reducer::rebuildBucketsIfDue() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (rebuilt_ || synced_ == 0) return false;
+  MYCCL_CHECK(!expectHooks_, where(), ": buckets cannot be rebuilt while a backward is in progress");
+  rebuilt_ = true;
+  const size_t n = params_.size();
+  std::vector<int64_t> order = readyOrder_;
+  if (order.size() != n) {  // a rank that never ran a synchronised backward (joined early)
+    order.clear();
+    for (const auto& b : buckets_) order.insert(order.end(), b.vars.begin(), b.vars.end());
+  }
+  BucketPlan mine = assignBuckets(params_, order, sparse_, opts_.caps);
+  // Every rank must use the same plan, and ready orders differ between ranks: rank 0's wins.
+  // Layout: [number of buckets, order (n), bucket sizes (n, zero-padded)].
+  at::Tensor msg = at::zeros({static_cast<int64_t>(2 * n + 1)}, at::kLong);
+  if (rank_ == 0) {
+    auto* p = msg.data_ptr<int64_t>();
+    p[0] = static_cast<int64_t>(mine.size());
+    size_t k = 1;
+    for (const auto& b : mine)
+      for (int64_t i : b) p[k++] = i;
+    for (size_t b = 0; b < mine.size(); ++b) p[1 + n + b] = static_cast<int64_t>(mine[b].size());
+  }
+  std::vector<at::Tensor> ts{params_[0].device().is_cpu() ? msg : msg.to(params_[0].device())};
+  c10d::BroadcastOptions bo;
+  bo.rootRank = 0;
+  pg_->broadcast(ts, bo)->wait();
+  msg = ts[0].cpu();
+  const auto* p = msg.data_ptr<int64_t>();
+  const int64_t nb = p[0];
+  MYCCL_CHECK(nb >= 1 && nb <= static_cast<int64_t>(n), where(), ": rank 0's bucket plan has ", nb,
+              " buckets for ", n, " parameters");
+  BucketPlan plan(nb);
+  size_t k = 1;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t sz = p[1 + n + b];
+    MYCCL_CHECK(sz >= 1 && k - 1 + sz <= n, where(), ": rank 0's bucket plan is malformed (bucket ", b, " size ", sz, ")");
+    plan[b].assign(p + k, p + k + sz);
+    k += sz;
+  }
+  MYCCL_CHECK(k - 1 == n, where(), ": rank 0's bucket plan covers ", k - 1, " of ", n, " parameters");
+  std::vector<std::vector<int64_t>> current;
+  for (const auto& b : buckets_) current.push_back(b.vars);
+  if (plan == current) return false;
+  initializeBuckets(plan);
+  return true;
+}
+
+// ---- per iteration ---------------------------------------------------------------------------
+
+void Reducer::prepareForForward() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!(expectHooks_ && anyReady_)) return;
+  std::vector<size_t> pending;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!ready_[i]) pending.push_back(i);
+  MYCCL_CHECK(false, where(), ": the previous synchronised backward never finished: gradients were marked ready (",
+              params_.size() - pending.size(), " of ", params_.size(),
+              " parameters) but the backward did not pass through this DDP module's outputs, so the reduction "
+              "was never completed. Parameters still waiting: ",
+              pending.empty() ? std::string("none") : describe(pending),
+              ". Compute the loss from the DDP module's outputs (or run the forward under no_sync()).");
+}
+
+void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs, bool sinkAttached) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const size_t n = params_.size();
+  expectHooks_ = true;
+  finalizeQueued_ = false;
+  sinkAttached_ = sinkAttached;
+  unusedMarked_ = false;
+  anyReady_ = false;
+  nextBucket_ = 0;
+  std::fill(ready_.begin(), ready_.end(), 0);
+  std::fill(gotGradient_.begin(), gotGradient_.end(), 0);
+  if (recordingOrder_) readyOrder_.clear();
+  for (auto& b : buckets_) {
+    b.pending = b.vars.size();
+    b.future.reset();
+    b.sparseGrad.reset();
+    b.times.readyUs = b.times.launchUs = 0;
+    b.times.doneUs = std::make_shared<std::atomic<int64_t>>(0);
+  }
+  current_ = IterationStats{};
+  current_.iteration = synced_ + 1;
+  if (opts_.staticGraph && synced_ > 0) remaining_ = hookCount_;
+
+  if (dynamicFindUnused()) {
+    // Parameters whose accumulator is unreachable from the outputs get no gradient in this
+    // backward: they are marked ready when backward starts so their buckets need not wait.
+    unused_.clear();
+    std::unordered_set<torch::autograd::Node*> seen;
+    std::vector<torch::autograd::Node*> stack;
+    for (const auto& out : outputs)
+      if (out.defined() && out.grad_fn() && seen.insert(out.grad_fn().get()).second) stack.push_back(out.grad_fn().get());
+    while (!stack.empty()) {
+      auto* fn = stack.back();
+      stack.pop_back();
+      for (const auto& edge : fn->next_edges())
+        if (auto* next = edge.function.get(); next && seen.insert(next).second) stack.push_back(next);
+    }
+    for (size_t i = 0; i < n; ++i)
+      if (!seen.count(accumulators_[i].get())) unused_.push_back(static_cast<int64_t>(i));
+  }
+}
+
+void Reducer::queueFinalize() {
+  finalizeQueued_ = true;
+  // The callback runs when the graph task that queued it finishes; a weak reference because
+  // the DDP module may be gone by then.
+  torch::autograd::Engine::get_default_engine().queue_callback([weak = weak_from_this()] {
+    if (auto self = weak.lock()) self->finalizeBackward();
+  });
+}
+
+void Reducer::backwardStarted() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!expectHooks_ || finalizeQueued_) return;
+  if (current_.backwardStartUs == 0) current_.backwardStartUs = Recorder::nowUs();
+  queueFinalize();
+  if (!staticFirstIteration()) markUnusedOnce();
+}
+
+void Reducer::setJoinFuture(c10::intrusive_ptr<c10::ivalue::Future> activeRanks, bool divideByInitialWorldSize) {
+  std::lock_guard<std::mutex> lk(mu_);
+  joinFuture_ = std::move(activeRanks);
+  joinStaticWorld_ = divideByInitialWorldSize;
+}
+
+void Reducer::autogradHook(size_t index, bool gotGradient) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const bool trackUse = dynamicFindUnused() || (staticFirstIteration() && expectHooks_);
+  // Under no_sync() too: a parameter used in any accumulated micro-step has a gradient to sync.
+  if (trackUse && params_[index].grad().defined()) localUsed_[index] = 1;
+  if (!expectHooks_) return;  // no_sync(), or a backward the Reducer was not armed for
+  if (current_.backwardStartUs == 0) current_.backwardStartUs = Recorder::nowUs();
+  // Without DDP's sink (the outputs held no tensor needing grad) this is the earliest point
+  // inside backward; the callback then runs at the end of whichever graph task runs this hook.
+  if (!finalizeQueued_ && !sinkAttached_) queueFinalize();
+  if (gotGradient) gotGradient_[index] = 1;
+  if (staticFirstIteration()) {
+    // The first static-graph backward only counts hook firings; buckets are reduced at its
+    // end, when it is known how many firings make each gradient complete.
+    if (hookCount_[index]++ == 0) readyOrder_.push_back(static_cast<int64_t>(index));
+    return;
+  }
+  markUnusedOnce();
+  if (opts_.staticGraph) {
+    MYCCL_CHECK(remaining_[index] > 0, where(), ": parameter '", names_[index], "' received more gradients in this ",
+                "backward than in the first one (", hookCount_[index],
+                "); with static_graph=True the autograd graph must be the same in every iteration");
+    if (--remaining_[index] > 0) return;
+  }
+  MYCCL_CHECK(!ready_[index], where(), ": parameter '", names_[index], "' received a gradient after it was ",
+              std::find(unused_.begin(), unused_.end(), static_cast<int64_t>(index)) != unused_.end()
+                  ? "found unreachable from the outputs (find_unused_parameters=True cannot see through "
+                    "reentrant checkpointing)"
+                  : "already reduced in this backward (it is used in several reentrant backward passes, e.g. a "
+                    "module checkpointed more than once)",
+              ". Use static_graph=True if the graph is the same every iteration, or "
+              "torch.utils.checkpoint(..., use_reentrant=False).");
+  if (recordingOrder_) readyOrder_.push_back(static_cast<int64_t>(index));
+  markReady(index);
+}
+
+void Reducer::markUnusedOnce() {
+  if (unusedMarked_) return;
+  unusedMarked_ = true;
+  for (int64_t i : unused_) markReady(static_cast<size_t>(i));
+}
+
+int64_t Reducer::divFactor() {
+  if (divFactor_ > 0) return divFactor_;
+  divFactor_ = worldSize_;
+  if (joinFuture_ && !joinStaticWorld_) {
+    // join(divide_by_initial_world_size=False): average over the ranks still training.
+    joinFuture_->wait();
+    at::Tensor active = tensorFromFutureValue(joinFuture_->value(), "join");
+    divFactor_ = std::max<int64_t>(1, static_cast<int64_t>(active.cpu().item<double>() + 0.5));
+  }
+  return divFactor_;
+}
+
+void Reducer::markReady(size_t index) {
+  const Locator loc = where_[index];
+  Bucket& bucket = buckets_[loc.bucket];
+  ready_[index] = 1;
+  anyReady_ = true;
+  if (bucket.sparse)
+    markSparse(bucket, index);
+  else
+    markDense(bucket, loc.slot, index);
+  if (--bucket.pending == 0) {
+    bucket.times.readyUs = Recorder::nowUs();
+    launchReadyBuckets();
+  }
+}
+
+void Reducer::markDense(Bucket& bucket, size_t slot, size_t index) {
+  at::Tensor& view = bucket.views[slot];
+  at::Tensor& grad = params_[index].mutable_grad();
+  if (!grad.defined()) {
+    view.zero_();  // no gradient here: contribute zeros (and leave .grad unset unless others had one)
+    return;
+  }
+  MYCCL_CHECK(!grad.is_sparse(), where(), ": parameter '", names_[index],
+              "' got a sparse gradient; build the DDP module with its nn.Embedding(sparse=True) visible so it "
+              "gets a sparse bucket");
+  MYCCL_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device() &&
+                  grad.numel() == view.numel(),
+              where(), ": parameter '", names_[index], "' got a gradient of ", grad.scalar_type(), " ",
+              shapeOf(grad), " on ", grad.device(), ", expected ", view.scalar_type(), " ", shapeOf(view), " on ",
+              view.device());
+  if (grad.is_alias_of(view)) {
+    // .grad already is the bucket view (gradient_as_bucket_view): scale in place.
+    if (!hook_) view.div_(divFactor());
+    return;
+  }
+  if (!hook_) {
+    // Average while copying in (one pass instead of two). x * (1 / world_size), rounded once:
+    // the same operation torch's reducer does, hence the same bits.
+    const auto scale = at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(divFactor()));
+    if (grad.requires_grad())
+      view.copy_(at::mul(grad, scale));  // create_graph=True: keep the graph's gradient untouched
+    else
+      at::mul_out(view, grad, scale);
+  } else {
+    view.copy_(grad);  // a comm hook owns the averaging
+  }
+  if (opts_.gradientAsBucketView) grad = view;
+}
+
+void Reducer::markSparse(Bucket& bucket, size_t index) {
+  at::Tensor& grad = params_[index].mutable_grad();
+  if (!grad.defined()) {
+    // Unused here but perhaps used elsewhere: take part with no rows.
+    bucket.sparseGrad = emptySparseLike(params_[index]);
+    return;
+  }
+  MYCCL_CHECK(grad.is_sparse(), where(), ": parameter '", names_[index],
+              "' was expected to get a sparse gradient (nn.Embedding(sparse=True)) but got a dense one");
+  bucket.sparseGrad = grad;
+  if (!hook_) bucket.sparseGrad.div_(divFactor());
+}
+
+void Reducer::launchReadyBuckets() {
+  while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
+    Bucket& b = buckets_[nextBucket_];
+    b.times.launchUs = Recorder::nowUs();
+    b.future = runReduction(nextBucket_, b.sparse ? b.sparseGrad : b.buffer);
+    auto done = b.times.doneUs;
+    b.future->addCallback([done](c10::ivalue::Future&) { done->store(Recorder::nowUs()); });
+    ++nextBucket_;
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Reducer::runReduction(size_t index, const at::Tensor& buffer) {
+  const Bucket& bucket = buckets_[index];
+  if (hook_) {
+    std::vector<at::Tensor> ps;
+    ps.reserve(bucket.vars.size());
+    for (int64_t i : bucket.vars) ps.push_back(params_[i]);
+    auto gb = std::make_shared<GradBucket>(index, buckets_.size(), buffer, std::move(ps), bucket.offsets, bucket.lengths);
+    return hook_->run(gb);
+  }
+  // Averaged already (scaled on the way in): a plain sum finishes it.
+  std::vector<at::Tensor> ts{buffer.is_complex() ? at::view_as_real(buffer) : buffer};
+  return pg_->allreduce(ts)->getFuture();
+}
+
+void Reducer::launchUsedMap(const std::vector<int32_t>& used) {
+  at::Tensor host = at::empty({static_cast<int64_t>(used.size())}, at::kInt);
+  std::copy(used.begin(), used.end(), host.data_ptr<int32_t>());
+  usedDev_ = params_[0].device().is_cpu() ? host : host.to(params_[0].device());
+  std::vector<at::Tensor> ts{usedDev_};
+  usedWork_ = pg_->allreduce(ts);
+  usedReduced_ = false;
+}
+
+bool Reducer::globallyUnused(size_t index) {
+  if (!(opts_.findUnusedParameters || opts_.staticGraph)) return false;
+  if (opts_.staticGraph && synced_ > 0) return !globalUsed_[index];
+  if (localUsed_[index]) return false;  // used here, so used somewhere: no need to wait
+  if (!usedReduced_) {
+    usedWork_->wait();
+    at::Tensor h = usedDev_.cpu();
+    reducedUsed_.assign(h.data_ptr<int32_t>(), h.data_ptr<int32_t>() + h.numel());
+    usedReduced_ = true;
+  }
+  return reducedUsed_[index] == 0;
+}
+
+void Reducer::writeBack(Bucket& bucket) {
+  const c10::IValue value = bucket.future->value();
+  if (bucket.sparse) {
+    const size_t i = bucket.vars[0];
+    at::Tensor result = hook_ ? hook_->result(value) : tensorFromFutureValue(value, "sparse all_reduce");
+    if (globallyUnused(i)) return;
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (!grad.defined())
+      grad = result;
+    else if (!result.is_same(grad))
+      grad.copy_(result);
+    return;
+  }
+  std::vector<at::Tensor> out;
+  const std::vector<at::Tensor>* viewsOut = &bucket.views;
+  if (hook_) {
+    at::Tensor result = hook_->result(value);
+    if (!result.is_same(bucket.buffer)) {
+      MYCCL_CHECK(result.numel() == bucket.buffer.numel() && result.device() == bucket.buffer.device(), where(),
+                  ": the comm hook's result for bucket ", bucket.times.index, " has ", result.numel(),
+                  " elements on ", result.device(), ", the bucket ", bucket.buffer.numel(), " on ",
+                  bucket.buffer.device());
+      out = viewsInto(result.is_contiguous() ? result : result.contiguous(), bucket);
+      viewsOut = &out;
+    }
+  }
+  for (size_t s = 0; s < bucket.vars.size(); ++s) {
+    const size_t i = bucket.vars[s];
+    const at::Tensor& src = (*viewsOut)[s];
+    at::Tensor& view = bucket.views[s];
+    const bool unused = globallyUnused(i);
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (!opts_.gradientAsBucketView) {
+      if (unused) continue;  // nobody computed it: leave .grad as it was
+      if (grad.defined())
+        grad.copy_(src);
+      else
+        grad = torch::autograd::utils::clone_obey_contract(src, params_[i]);
+      continue;
+    }
+    if (!view.is_alias_of(src)) view.copy_(src);
+    if (unused) continue;
+    if (!grad.defined())
+      grad = view;
+    else
+      MYCCL_CHECK(grad.is_alias_of(view), where(), ": parameter '", names_[i],
+                  "'.grad is no longer its bucket view (gradient_as_bucket_view=True); something replaced it "
+                  "during backward");
+  }
+}
+
+void Reducer::waitAllQuietly() {
+  for (auto& b : buckets_) {
+    if (!b.future) continue;
+    try {
+      b.future->wait();
+    } catch (const std::exception&) {
+      // The caller is about to raise its own error; this one would only hide it.
+    }
+  }
+  if (usedWork_) {
+    try {
+      usedWork_->wait();
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+void Reducer::endIteration() {
+  expectHooks_ = false;
+  finalizeQueued_ = false;
+  anyReady_ = false;
+  divFactor_ = 0;
+  joinFuture_.reset();
+  for (auto& b : buckets_) b.sparseGrad.reset();
+}
+
+void Reducer::finalizeBackward() {
+  std::function<void(const IterationStats&)> observer;
+  IterationStats record;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!expectHooks_) return;  // e.g. a second backward through the same graph
+    const size_t n = params_.size();
+    current_.backwardEndUs = Recorder::nowUs();
+    const bool firstStatic = staticFirstIteration();
+    if (firstStatic) {
+      for (size_t i = 0; i < n; ++i)
+        if (hookCount_[i] == 0) readyOrder_.push_back(static_cast<int64_t>(i));
+      for (size_t i = 0; i < n; ++i) markReady(i);
+    } else {
+      markUnusedOnce();
+    }
+    // The check torch's DDP defers to the next forward (after optimizer.step() has applied
+    // unsynchronised gradients): a parameter with no gradient in this backward is an error now.
+    std::vector<size_t> missing;
+    for (size_t i = 0; i < n; ++i) {
+      const bool noGradient = !opts_.findUnusedParameters && !opts_.staticGraph && !gotGradient_[i];
+      if (!ready_[i] || noGradient) missing.push_back(i);
+    }
+    std::string missingError;
+    std::exception_ptr failure;
+    if (!missing.empty()) {
+      // Reduce what is left (zeros where nothing arrived) so that ranks which did get every
+      // gradient are not left waiting in a collective this rank never joins; the iteration
+      // then counts as done everywhere, so later collectives (the rebuild) stay aligned.
+      for (size_t i : missing) {
+        if (ready_[i]) continue;
+        const Locator loc = where_[i];
+        Bucket& b = buckets_[loc.bucket];
+        ready_[i] = 1;
+        if (b.sparse)
+          b.sparseGrad = emptySparseLike(params_[i]);
+        else
+          b.views[loc.slot].zero_();
+        if (--b.pending == 0) b.times.readyUs = Recorder::nowUs();
+      }
+      launchReadyBuckets();
+      if (usedMapNeeded()) launchUsedMap(localUsed_);
+      waitAllQuietly();
+      missingError = c10::str(
+          where(), ": ", missing.size(), " of ", n, " parameters received no gradient in this backward: ",
+          describe(missing),
+          ". With find_unused_parameters=False every parameter must take part in every backward. Gradients "
+          "were NOT synchronised; do not step the optimizer for this iteration. Pass find_unused_parameters=True "
+          "(or static_graph=True if the same parameters are unused in every iteration), or make the loss "
+          "depend on all of the module's outputs.");
+    } else {
+      if (usedMapNeeded()) launchUsedMap(localUsed_);
+      try {
+        for (auto& b : buckets_) {
+          b.future->wait();
+          writeBack(b);
+        }
+        if (usedMapNeeded() && !usedReduced_) usedWork_->wait();  // its tensor is reused next time
+        if (firstStatic) {
+          // Everything about the graph is known now: what counts as complete, what is unused.
+          if (!usedReduced_) {
+            at::Tensor h = usedDev_.cpu();
+            reducedUsed_.assign(h.data_ptr<int32_t>(), h.data_ptr<int32_t>() + h.numel());
+            usedReduced_ = true;
+          }
+          globalUsed_.assign(n, 0);
+          for (size_t i = 0; i < n; ++i) globalUsed_[i] = reducedUsed_[i] != 0;
+          unused_.clear();
+          for (size_t i = 0; i < n; ++i)
+            if (hookCount_[i] == 0) unused_.push_back(static_cast<int64_t>(i));
+        }
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    if (dynamicFindUnused()) std::fill(localUsed_.begin(), localUsed_.end(), 0);
+    endIteration();
+    if (failure) {
+      waitAllQuietly();
+      std::rethrow_exception(failure);
+    }
+    if (recordingOrder_) {
+      recordingOrder_ = false;
+      std::vector<char> in(n, 0);
+      for (int64_t i : readyOrder_) in[i] = 1;
+      for (size_t i = 0; i < n; ++i)  // parameters marked ready without a hook go last
+        if (!in[i]) readyOrder_.push_back(static_cast<int64_t>(i));
+    }
+    ++synced_;
+    current_.finishedUs = Recorder::nowUs();
+    for (const auto& b : buckets_) current_.buckets.push_back(b.times);
+    history_.push_back(current_);
+    while (history_.size() > std::max<size_t>(1, opts_.statsIterations)) history_.pop_front();
+    MYCCL_CHECK(missingError.empty(), missingError);
+    if (observer_ && Recorder::tracing()) {
+      observer = observer_;
+      record = current_;
+    }
+  }
+  // Outside the lock: the observer takes the GIL.
+  if (observer) observer(record);
+}
+
+void Reducer::shadowBackward() {
+  std::lock_guard<std::mutex> lk(mu_);
+  MYCCL_CHECK(!expectHooks_, where(), ": a joined rank cannot shadow a backward while running its own");
+  IterationStats rec;
+  rec.iteration = synced_ + 1;
+  rec.backwardStartUs = rec.backwardEndUs = Recorder::nowUs();
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    at::Tensor zeros = bucket.sparse ? emptySparseLike(params_[bucket.vars[0]]) : at::zeros_like(bucket.buffer);
+    BucketTimes t = bucket.times;
+    t.readyUs = t.launchUs = Recorder::nowUs();
+    futures.push_back(runReduction(b, zeros));
+    t.doneUs = std::make_shared<std::atomic<int64_t>>(0);
+    auto done = t.doneUs;
+    futures.back()->addCallback([done](c10::ivalue::Future&) { done->store(Recorder::nowUs()); });
+    rec.buckets.push_back(t);
+  }
+  if (usedMapNeeded()) launchUsedMap(std::vector<int32_t>(params_.size(), 0));
+  for (auto& f : futures) f->wait();
+  if (usedMapNeeded()) usedWork_->wait();
+  ++synced_;
+  rec.finishedUs = Recorder::nowUs();
+  history_.push_back(std::move(rec));
+  while (history_.size() > std::max<size_t>(1, opts_.statsIterations)) history_.pop_front();
+}
+
+// ---- configuration and introspection ---------------------------------------------------------
+
+void Reducer::registerCommHook(std::shared_ptr<CommHook> hook) {
+  std::lock_guard<std::mutex> lk(mu_);
+  MYCCL_CHECK(hook, where(), ": register_comm_hook got no hook");
+  MYCCL_CHECK(!hook_, where(), ": register_comm_hook can be called only once");
+  MYCCL_CHECK(synced_ == 0 && !anyReady_, where(),
+              ": register_comm_hook must be called before the first backward (", synced_,
+              " synchronised backwards have run)");
+  hook_ = std::move(hook);
+}
+
+void Reducer::setIterationObserver(std::function<void(const IterationStats&)> observer) {
+  std::lock_guard<std::mutex> lk(mu_);
+  observer_ = std::move(observer);
+}
+
+std::vector<IterationStats> Reducer::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return {history_.begin(), history_.end()};
+}
+
+BucketPlan Reducer::plan() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  BucketPlan p;
+  for (const auto& b : buckets_) p.push_back(b.vars);
+  return p;
+}
+
+std::vector<at::Tensor> Reducer::bucketBuffers() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<at::Tensor> out;
+  for (const auto& b : buckets_) out.push_back(b.buffer);
+  return out;
+}
+
+uint64_t Reducer::syncedIterations() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return synced_;
+}
+
+}  // namespace myccl::reducer
