@@ -631,6 +631,10 @@ void Reducer::finalizeBackward() {
       try {
         for (auto& b : buckets_) {
           b.future->wait();
+          // A future wakes its waiters before it runs its callbacks: if ours has not run yet,
+          // now is when this rank saw the bucket done.
+          int64_t unset = 0;
+          b.times.doneUs->compare_exchange_strong(unset, Recorder::nowUs());
           writeBack(b);
         }
         if (usedMapNeeded() && !usedReduced_) usedWork_->wait();  // its tensor is reused next time
@@ -698,7 +702,11 @@ void Reducer::shadowBackward() {
     rec.buckets.push_back(t);
   }
   if (usedMapNeeded()) launchUsedMap(std::vector<int32_t>(params_.size(), 0));
-  for (auto& f : futures) f->wait();
+  for (size_t b = 0; b < futures.size(); ++b) {
+    futures[b]->wait();
+    int64_t unset = 0;
+    rec.buckets[b].doneUs->compare_exchange_strong(unset, Recorder::nowUs());  // see finalize
+  }
   if (usedMapNeeded()) usedWork_->wait();
   ++synced_;
   rec.finishedUs = Recorder::nowUs();
