@@ -28,10 +28,14 @@ using WorkRef = c10::intrusive_ptr<c10d::Work>;
 
 namespace {
 
+// "[4, 1024]" -- on every op (flight recorder), so no stream machinery.
 std::string shapeOf(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (d) s += ", ";
+    s += std::to_string(t.size(d));
+  }
+  return s + "]";
 }
 
 std::string describe(const at::Tensor& t) {

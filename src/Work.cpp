@@ -21,6 +21,11 @@ void throwDistError(const std::string& msg) {
   C10_THROW_ERROR(DistBackendError, msg);
 }
 
+c10::TypePtr tensorListType() {
+  static const c10::TypePtr t = c10::ListType::create(c10::TensorType::get());  // once, not per op
+  return t;
+}
+
 std::string OpInfo::describe() const {
   std::ostringstream os;
   os << op << " #" << seq << " (rank " << rank << ", group '" << group << "')";
@@ -60,7 +65,7 @@ MycclWork::MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at
       info_(std::move(info)),
       inputs_(std::move(inputs)),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      future_(c10::make_intrusive<c10::ivalue::Future>(tensorListType())),
       queuedAt_(std::chrono::steady_clock::now()) {}
 
 MycclWork::~MycclWork() = default;

@@ -85,6 +85,9 @@ class MycclWork : public c10d::Work {
 // A Work that completes when all of its children have (coalescing, composite ops).
 c10::intrusive_ptr<MycclWork> combineWorks(OpInfo info, std::vector<c10::intrusive_ptr<c10d::Work>> children);
 
+// List[Tensor], the value type of every Work's future (created once).
+c10::TypePtr tensorListType();
+
 // "myccl:all_reduce" and friends: static strings for profiler ranges.
 const char* profilingTitle(c10d::OpType type);
 

@@ -194,7 +194,7 @@ void CpuEngine::runOp(Op& op) {
   const auto t0 = Clock::now();
   try {
     if (cfg_.debugDetail && size_ > 1) checkFingerprint(ctx, op);
-    checkStrays(info.seq);
+    if (size_ > 1 && (!shm_ || topo_.crossSize > 1)) checkStrays(info.seq);  // shared memory checks every step
     op.body(ctx);
     stats_->add(profilingTitle(info.type) + 6, ctx.algo, ctx.bytes,
                 std::chrono::duration<double>(Clock::now() - t0).count());

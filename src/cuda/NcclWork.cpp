@@ -33,7 +33,7 @@ NcclWork::NcclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::
       blockingWait_(blockingWait) {
   // CUDA-aware: value() and then() callbacks wait for the op on the consumer's current stream
   // (through events the future records when completed), which is what DDP comm hooks rely on.
-  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+  future_ = c10::make_intrusive<c10::ivalue::Future>(tensorListType(),
                                                      std::vector<c10::Device>{device});
 }
 
