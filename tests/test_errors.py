@@ -113,6 +113,12 @@ def _cases(ctx):
         ("recv expanded", lambda: dist.recv(torch.zeros(1).expand(4), src=(r + 1) % n), ["recv", "share memory"], "myccl"),
         ("all_to_all_single expanded", lambda: dist.all_to_all_single(torch.zeros(1).expand(rows), x6),
          ["all_to_all_single", "share memory"], "myccl"),
+        ("all_gather_into_tensor expanded output", lambda: dist.all_gather_into_tensor(torch.zeros(1).expand(4 * n), t),
+         ["all_gather_into_tensor", "share memory"], "myccl"),
+        ("reduce_scatter_tensor expanded output", lambda: dist.reduce_scatter_tensor(torch.zeros(1).expand(4), torch.ones(4 * n)),
+         ["reduce_scatter_tensor", "share memory"], "myccl"),
+        ("scatter expanded output", lambda: dist.scatter(torch.zeros(1).expand(4), None, src=(r + 1) % n),
+         ["scatter", "share memory"], "myccl"),
         # devices myccl cannot serve. dist.all_reduce on a meta tensor never reaches a backend
         # (torch's Meta kernel for c10d ops is a no-op), so ask the backend directly.
         ("meta tensor (backend)", lambda: _be().allreduce([torch.empty(4, device="meta")], ar()).wait(),
@@ -224,6 +230,47 @@ def body_uint16_moves_without_reduction(ctx):
         want = torch.cat([(torch.arange(6) + 10 * q).to(dtype) for q in range(n)])
         rep.check(torch.equal(out.view(torch.uint8), want.view(torch.uint8)), f"all_gather_into_tensor {dtype}")
     return rep.result()
+
+
+def body_expanded_inputs_are_fine(ctx):
+    """Overlapping memory is only a problem where data is written: expanded inputs work."""
+    ctx.init(timeout=20)
+    rep = Report(ctx)
+    n, r = ctx.size, ctx.rank
+
+    def e(q, k=4):
+        return torch.tensor([float(q + 1)]).expand(k)
+
+    outs = [torch.empty(4) for _ in range(n)]
+    dist.all_gather(outs, e(r))
+    rep.check(all(torch.equal(outs[q], e(q)) for q in range(n)), "all_gather of an expanded input")
+    o = torch.empty(4 * n)
+    dist.all_gather_into_tensor(o, e(r))
+    rep.check(torch.equal(o, torch.cat([e(q) for q in range(n)])), "all_gather_into_tensor of an expanded input")
+    o = torch.empty(2)
+    dist.reduce_scatter_tensor(o, e(r, 2 * n))
+    rep.check(torch.equal(o, torch.full((2,), float(sum(range(1, n + 1))))), "reduce_scatter_tensor of an expanded input")
+    o = torch.empty(2 * n)
+    dist.all_to_all_single(o, e(r, 2 * n))
+    rep.check(torch.equal(o, torch.cat([e(q, 2) for q in range(n)])), "all_to_all_single of an expanded input")
+    x = torch.zeros(4) if r == 0 else e(r)  # only the root's tensor is written
+    dist.reduce(x, dst=0)
+    rep.check(torch.equal(x, torch.full((4,), float(sum(range(2, n + 1))))) if r == 0 else torch.equal(x, e(r)),
+              "reduce with expanded non-root inputs")
+    o = torch.empty(4)
+    dist.scatter(o, [e(q) for q in range(n)] if r == 0 else None, src=0)
+    rep.check(torch.equal(o, e(r)), "scatter of expanded inputs")
+    if r == 0:
+        dist.send(e(7), dst=1)
+    elif r == 1:
+        got = torch.empty(4)
+        dist.recv(got, src=0)
+        rep.check(torch.equal(got, e(7)), "send of an expanded tensor")
+    return rep.result()
+
+
+def test_expanded_inputs_are_accepted(run):
+    assert_reports(run(3, body_expanded_inputs_are_fine, timeout=60))
 
 
 def test_reductionless_dtypes_still_move(run):

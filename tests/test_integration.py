@@ -416,6 +416,21 @@ def body_work_api(ctx):
         # (the future completes a moment before the Work, as in gloo: check after wait())
         wk.wait()
         rep.check(wk.is_completed() and wk.is_success(), f"{name}: completed")
+    # wait(timeout) shorter than a late peer: raises, the op goes on and completes correctly
+    t = torch.full((10,), float(r + 1))
+    if r == 1:
+        time.sleep(1.0)
+    w = dist.all_reduce(t, async_op=True)
+    if r == 0:
+        t0 = time.monotonic()
+        try:
+            w.wait(timedelta(milliseconds=200))
+            rep.fail("wait(200 ms) returned although rank 1 was 1 s late")
+        except Exception as e:  # noqa: BLE001
+            rep.check(time.monotonic() - t0 < 0.9, "wait(200 ms) took too long to raise")
+            rep.check("still in progress" in str(e), f"wait(timeout) error: {str(e)[:200]}")
+    w.wait()
+    rep.check(torch.equal(t, torch.full((10,), total)), "all_reduce after an earlier wait(timeout)")
     # profiler: ranges named myccl:<op> with the input shapes
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         dist.all_reduce(torch.ones(5, 3))
@@ -442,6 +457,51 @@ def test_work_api_and_profiler(run):
     assert_reports([x[0] for x in results])
     seqs = [x[1] for x in results]
     assert len(set(seqs)) == 1 and seqs[0] > 0, f"sequence numbers {seqs}"
+
+
+def body_threads_and_single_apis(ctx):
+    """Three threads drive three groups at once; torch 2.14's *_single entry points."""
+    import threading
+
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    n, r = ctx.size, ctx.rank
+    groups = [None, dist.new_group(list(range(n))), dist.new_group(list(range(n)))]
+    errors = []
+
+    def loop(g, base, numel):
+        try:
+            for i in range(20):
+                t = torch.full((numel,), float(base + r + i))
+                dist.all_reduce(t, group=g)
+                if not torch.equal(t, torch.full((numel,), float(sum(base + q + i for q in range(n))))):
+                    errors.append(f"group {base}: iteration {i}: {t[:2].tolist()}")
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"group {base}: {type(e).__name__}: {str(e)[:200]}")
+
+    threads = [threading.Thread(target=loop, args=(g, 100 * k, numel))
+               for k, (g, numel) in enumerate(zip(groups, [77, 1000, 300_000]))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    rep.check(not any(th.is_alive() for th in threads), "threads still running after 60 s")
+    rep.check(not errors, f"concurrent groups: {errors[:5]}")
+    x = torch.arange(4.0) + 10 * r
+    out = torch.empty(4 * n)
+    dist.all_gather_single(out, x)
+    rep.check(torch.equal(out, torch.cat([torch.arange(4.0) + 10 * q for q in range(n)])), "all_gather_single")
+    o = torch.empty(2)
+    dist.reduce_scatter_single(o, torch.arange(2.0 * n) + r)
+    rep.check(torch.equal(o, (torch.arange(2.0 * n) * n + sum(range(n)))[2 * r:2 * r + 2]), "reduce_scatter_single")
+    outs = [torch.empty(4 * n), torch.empty(2 * n)]
+    dist.group.WORLD.all_gather_single_coalesced(outs, [x, x[:2].clone()]).wait()
+    rep.check(torch.equal(outs[1], torch.cat([torch.arange(2.0) + 10 * q for q in range(n)])), "all_gather_single_coalesced")
+    return rep.result()
+
+
+def test_concurrent_groups_and_single_apis(run):
+    assert_reports(run(3, body_threads_and_single_apis, timeout=90))
 
 
 def body_debug_detail(ctx):
@@ -597,6 +657,9 @@ def body_abort(ctx):
             took = time.monotonic() - t0
             rep.check(took < 15, f"peer of an aborted rank waited {took:.1f} s")
             rep.check("rank 0" in str(e), f"error does not name rank 0: {str(e).splitlines()[0]}")
+            err = _cpu_backend().get_error()
+            rep.check(err == ErrorType.COMM_ERROR or err == ErrorType.REMOTE_ERROR,
+                      f"get_error() on the peer of an aborted rank: {err}")
     dist.destroy_process_group()
     ctx.init(timeout=30)
     _smoke(rep, ctx, "after abort + re-init")

@@ -73,6 +73,24 @@ def body_send_recv_basics(ctx):
             got = torch.empty(n)
             dist.recv(got, src=1, tag=3)
             rep.check(torch.equal(got, torch.full((n,), float(i))), f"same-tag message {i} in order")
+    # tags at the ends of the int range torch accepts
+    for tag in [2**31 - 1, -1, 0]:
+        if r == 0:
+            dist.send(torch.full((3,), float(tag)), dst=1, tag=tag)
+        else:
+            got = torch.zeros(3)
+            dist.recv(got, src=0, tag=tag)
+            rep.check(torch.equal(got, torch.full((3,), float(tag))), f"tag {tag}")
+    # a rendezvous-size isend still pending while collectives run on the same group
+    big = torch.arange(1_000_000.0)
+    ws = dist.isend(big, dst=peer, tag=11)
+    y = torch.ones(4)
+    dist.all_reduce(y)
+    rep.check(torch.equal(y, torch.full((4,), 2.0)), "all_reduce while an isend waits for its receiver")
+    got = torch.empty(1_000_000)
+    dist.recv(got, src=peer, tag=11)
+    ws.wait()
+    rep.check(torch.equal(got, big), "the pending 4 MB isend, received after the all_reduce")
     return rep.result()
 
 
