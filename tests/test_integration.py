@@ -437,6 +437,7 @@ def body_work_api(ctx):
         dist.broadcast(torch.ones(7), src=0, async_op=True).wait()
         dist.all_gather_into_tensor(torch.empty(4 * n), torch.ones(4))
         dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * n))
+        dist.all_to_all_single(torch.empty(3 * n), torch.ones(3 * n))
         dist.barrier()
     ev = {}
     for e in prof.events():
@@ -444,6 +445,7 @@ def body_work_api(ctx):
             ev.setdefault(e.name, e.input_shapes)
     for name, shapes in [("myccl:all_reduce", [[5, 3]]), ("myccl:broadcast", [[7]]),
                          ("myccl:all_gather_into_tensor", [[4]]), ("myccl:reduce_scatter_tensor", [[2 * n]]),
+                         ("myccl:all_to_all_single", [[3 * n]]),
                          ("myccl:barrier", None)]:
         rep.check(name in ev, f"profiler has no {name} (got {sorted(ev)})")
         if name in ev and shapes is not None:
