@@ -67,6 +67,57 @@ class Ctx:
         )
         return dist.group.WORLD
 
+    def init_env(self, master_port: int, backend: str = "myccl", timeout: float = 60.0, **kwargs):
+        """init_process_group(init_method="env://") the way torchrun sets it up: MASTER_ADDR,
+        MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK in the environment (restored afterwards).
+        The parent picks master_port with free_port() and passes it as an argument."""
+        import torch.distributed as dist
+
+        import c10d_ext  # noqa: F401
+
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(self.rank),
+               "WORLD_SIZE": str(self.size), "LOCAL_RANK": str(self.rank)}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout), **kwargs)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return dist.group.WORLD
+
+
+class Report:
+    """Collects a rank's checks; the parent asserts that no rank reported a failure."""
+
+    def __init__(self, ctx):
+        self.rank = ctx.rank
+        self.checks = 0
+        self.failures: list[str] = []
+
+    def check(self, ok: bool, what: str) -> bool:
+        self.checks += 1
+        if not ok:
+            self.failures.append(f"rank {self.rank}: {what}")
+        return bool(ok)
+
+    def fail(self, what: str) -> None:
+        self.check(False, what)
+
+    def result(self):
+        return self.checks, self.failures
+
+
+def assert_reports(results) -> None:
+    """results: per-rank (checks, failures) from Report.result()."""
+    failures = [f for _, fails in results for f in fails]
+    checks = sum(c for c, _ in results)
+    assert checks > 0, "no checks ran"
+    assert not failures, f"{len(failures)} of {checks} checks failed:\n" + "\n".join(failures[:60])
+
 
 def _worker(rank: int, size: int, store_port: int, conn, env: dict) -> None:
     # "{rank}" in a world env value becomes this process's rank (e.g. NCCL_HOSTID=host{rank}),
@@ -224,6 +275,14 @@ class WorldPool:
         return w
 
     def close(self) -> None:
+        # Ask every world to exit first, then wait: process exit (~3 s of torch teardown each)
+        # overlaps instead of adding up.
+        for w in self.worlds.values():
+            for c in w.conns:
+                try:
+                    c.send(None)
+                except Exception:  # noqa: BLE001
+                    pass
         for w in self.worlds.values():
             w.close()
         self.worlds.clear()

@@ -1,0 +1,358 @@
+"""Point-to-point: send/recv and isend/irecv with tags, sizes on both sides of the TCP eager
+limit (64 KiB) up to several MB, many messages in flight, out-of-order tags, receive from any
+source, batch_isend_irecv rings, strided buffers, and a receive nobody answers (timeout, then
+the group still works).
+
+Every payload is a deterministic function of (sender, tag, size) so each receiver checks the
+exact bytes it got.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from expect import make
+from harness import Report, assert_reports
+
+EAGER = 64 * 1024
+
+
+def payload(src: int, tag: int, numel: int, dtype=torch.float32) -> torch.Tensor:
+    return make(src * 1000 + tag, (numel,), dtype, 77)
+
+
+def body_send_recv_basics(ctx):
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    r = ctx.rank
+    peer = 1 - r
+    # blocking, in both directions, several dtypes (incl. ones without reduction kernels)
+    for k, dtype in enumerate([torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool,
+                               torch.complex64, torch.uint16]):
+        if r == 0:
+            dist.send(payload(0, k, 37, dtype), dst=1, tag=k)
+            got = torch.empty(37, dtype=dtype)
+            dist.recv(got, src=1, tag=k)
+            rep.check(torch.equal(got, payload(1, k, 37, dtype)), f"blocking recv {dtype}")
+        else:
+            got = torch.empty(37, dtype=dtype)
+            dist.recv(got, src=0, tag=k)
+            rep.check(torch.equal(got, payload(0, k, 37, dtype)), f"blocking recv {dtype}")
+            dist.send(payload(1, k, 37, dtype), dst=0, tag=k)
+    # sizes around the eager limit and well beyond it; both ranks send and receive at once
+    for numel in [0, 1, EAGER - 1, EAGER, EAGER + 1, 100 * 1024, 3 * 1024 * 1024 + 7, 9 * 1024 * 1024]:
+        out = payload(r, 100, numel, torch.uint8) if numel < 4 * 1024 * 1024 else torch.arange(numel, dtype=torch.int64).to(torch.uint8) + r
+        want = payload(peer, 100, numel, torch.uint8) if numel < 4 * 1024 * 1024 else torch.arange(numel, dtype=torch.int64).to(torch.uint8) + peer
+        got = torch.empty(numel, dtype=torch.uint8)
+        ws = dist.isend(out, dst=peer, tag=100)
+        wr = dist.irecv(got, src=peer, tag=100)
+        ws.wait()
+        wr.wait()
+        rep.check(torch.equal(got, want), f"isend/irecv {numel} bytes")
+    # a float tensor of several MB, blocking on one side, irecv on the other
+    big = 2 * 1024 * 1024 + 3  # 8 MB of float32
+    if r == 0:
+        dist.send(payload(0, 7, big), dst=1, tag=7)
+    else:
+        got = torch.empty(big)
+        w = dist.irecv(got, src=0, tag=7)
+        w.wait()
+        rep.check(torch.equal(got, payload(0, 7, big)), "8 MB float32 send -> irecv")
+    # same tag, several messages: delivered in the order they were sent
+    if r == 1:
+        ws = [dist.isend(torch.full((n,), float(i)), dst=0, tag=3) for i, n in enumerate([5, 70000, 1, 20000, 3])]
+        for w in ws:
+            w.wait()
+    else:
+        for i, n in enumerate([5, 70000, 1, 20000, 3]):
+            got = torch.empty(n)
+            dist.recv(got, src=1, tag=3)
+            rep.check(torch.equal(got, torch.full((n,), float(i))), f"same-tag message {i} in order")
+    # tags at the ends of the int range torch accepts
+    for tag in [2**31 - 1, -1, 0]:
+        if r == 0:
+            dist.send(torch.full((3,), float(tag)), dst=1, tag=tag)
+        else:
+            got = torch.zeros(3)
+            dist.recv(got, src=0, tag=tag)
+            rep.check(torch.equal(got, torch.full((3,), float(tag))), f"tag {tag}")
+    # a rendezvous-size isend still pending while collectives run on the same group
+    big = torch.arange(1_000_000.0)
+    ws = dist.isend(big, dst=peer, tag=11)
+    y = torch.ones(4)
+    dist.all_reduce(y)
+    rep.check(torch.equal(y, torch.full((4,), 2.0)), "all_reduce while an isend waits for its receiver")
+    got = torch.empty(1_000_000)
+    dist.recv(got, src=peer, tag=11)
+    ws.wait()
+    rep.check(torch.equal(got, big), "the pending 4 MB isend, received after the all_reduce")
+    return rep.result()
+
+
+def test_send_recv_basics(run):
+    assert_reports(run(2, body_send_recv_basics, timeout=90))
+
+
+def body_out_of_order_tags(ctx):
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    for numel in [16, EAGER // 4 + 100, 1 << 20]:  # eager, just past eager, 4 MB
+        eager = numel * 4 <= EAGER
+        if ctx.rank == 1:
+            if eager:  # small messages: blocking sends complete without the receiver
+                dist.send(payload(1, 1, numel), dst=0, tag=1)
+                dist.send(payload(1, 2, numel), dst=0, tag=2)
+            else:
+                w1 = dist.isend(payload(1, 1, numel), dst=0, tag=1)
+                w2 = dist.isend(payload(1, 2, numel), dst=0, tag=2)
+                w2.wait()
+                w1.wait()
+        else:
+            if eager:
+                time.sleep(0.2)  # let both messages arrive first
+                a = torch.empty(numel)
+                dist.recv(a, src=1, tag=2)
+                b = torch.empty(numel)
+                dist.recv(b, src=1, tag=1)
+            else:
+                a = torch.empty(numel)
+                b = torch.empty(numel)
+                w2 = dist.irecv(a, src=1, tag=2)
+                w2.wait()  # tag 2 completes although tag 1 was sent first and is not posted yet
+                w1 = dist.irecv(b, src=1, tag=1)
+                w1.wait()
+            rep.check(torch.equal(a, payload(1, 2, numel)), f"tag 2 received first ({numel} floats)")
+            rep.check(torch.equal(b, payload(1, 1, numel)), f"tag 1 received second ({numel} floats)")
+    return rep.result()
+
+
+def test_out_of_order_tags(run):
+    assert_reports(run(2, body_out_of_order_tags, timeout=60))
+
+
+def body_many_in_flight(ctx):
+    ctx.init(timeout=60)
+    rep = Report(ctx)
+    r, peer = ctx.rank, 1 - ctx.rank
+    sizes = [(k * 7919) % 40000 + (k % 5) * 20000 for k in range(96)]  # 0 .. ~120k floats
+    sends = [dist.isend(payload(r, k, sizes[k]), dst=peer, tag=k) for k in range(96)]
+    bufs = {}
+    recvs = []
+    for k in reversed(range(96)):  # posted in the opposite order
+        bufs[k] = torch.empty(sizes[k])
+        recvs.append((k, dist.irecv(bufs[k], src=peer, tag=k)))
+    for _, w in recvs:
+        w.wait()
+    for w in sends:
+        w.wait()
+    bad = [k for k in range(96) if not torch.equal(bufs[k], payload(peer, k, sizes[k]))]
+    rep.check(not bad, f"{len(bad)} of 96 in-flight messages wrong (tags {bad[:10]})")
+    return rep.result()
+
+
+def test_many_messages_in_flight(run):
+    assert_reports(run(2, body_many_in_flight, timeout=90))
+
+
+def body_any_source(ctx):
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    n = ctx.size
+    if ctx.rank == 0:
+        seen = []
+        for _ in range(n - 1):
+            buf = torch.empty(10)
+            src = dist.recv(buf, tag=5)  # no src: whoever comes first
+            seen.append(src)
+            rep.check(torch.equal(buf, payload(src if isinstance(src, int) else 0, 5, 10)),
+                      f"recv(any) returned source {src} but the data is not that rank's")
+        rep.check(sorted(seen) == list(range(1, n)), f"recv(any) reported sources {seen}")
+        seen = []
+        for _ in range(n - 1):
+            buf = torch.empty(70000)  # past the eager limit
+            w = dist.irecv(buf, tag=6)
+            w.wait()
+            src = w._source_rank()
+            seen.append(src)
+            rep.check(torch.equal(buf, payload(src, 6, 70000)), f"irecv(any) source {src}: data mismatch")
+        rep.check(sorted(seen) == list(range(1, n)), f"irecv(any) _source_rank() gave {seen}")
+    else:
+        dist.send(payload(ctx.rank, 5, 10), dst=0, tag=5)
+        dist.send(payload(ctx.rank, 6, 70000), dst=0, tag=6)
+    return rep.result()
+
+
+def test_recv_any_source(run):
+    assert_reports(run(3, body_any_source, timeout=60))
+
+
+def body_batch_ring(ctx):
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    n, r = ctx.size, ctx.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    for numel in [5, 50000]:
+        # one direction
+        buf = torch.empty(numel)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, payload(r, 1, numel), right),
+                                       dist.P2POp(dist.irecv, buf, left)])
+        for w in reqs:
+            w.wait()
+        rep.check(torch.equal(buf, payload(left, 1, numel)), f"ring exchange {numel}")
+        # both directions at once, receives listed first
+        from_left, from_right = torch.empty(numel), torch.empty(numel)
+        ops = [dist.P2POp(dist.irecv, from_left, left), dist.P2POp(dist.irecv, from_right, right),
+               dist.P2POp(dist.isend, payload(r, 2, numel), right), dist.P2POp(dist.isend, payload(r, 3, numel), left)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        if n > 2:
+            rep.check(torch.equal(from_left, payload(left, 2, numel)), f"bidirectional ring from left {numel}")
+            rep.check(torch.equal(from_right, payload(right, 3, numel)), f"bidirectional ring from right {numel}")
+        else:  # left == right: two messages from the one peer, matched in order
+            rep.check(torch.equal(from_left, payload(left, 2, numel)) and torch.equal(from_right, payload(left, 3, numel)),
+                      f"bidirectional exchange with one peer {numel}")
+    # the group still runs collectives after coalesced p2p
+    y = torch.ones(2)
+    dist.all_reduce(y)
+    rep.check(torch.equal(y, torch.full((2,), float(n))), "all_reduce after batch_isend_irecv")
+    return rep.result()
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_batch_isend_irecv_ring(run, size):
+    assert_reports(run(size, body_batch_ring, timeout=60))
+
+
+def body_strided(ctx):
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    src_t = torch.arange(48.0).reshape(6, 8)
+    if ctx.rank == 1:
+        dist.send(src_t.t(), dst=0)              # non-contiguous send: values in t() order
+        dist.send(src_t[:, ::2].clone(), dst=0)
+        dist.send(torch.arange(1000.0)[::3], dst=0, tag=1)
+    else:
+        base = torch.zeros(8, 6)
+        view = base.t()                          # (6, 8), non-contiguous
+        dist.recv(view.t(), src=1)               # receive into the (8, 6) view's transpose again
+        rep.check(torch.equal(base, src_t.t()), "recv into a transposed view")
+        holes = torch.full((6, 8), -1.0)
+        dist.recv(holes[:, ::2], src=1)
+        rep.check(torch.equal(holes[:, ::2], src_t[:, ::2]), "recv into a strided slice: values")
+        rep.check(torch.equal(holes[:, 1::2], torch.full((6, 4), -1.0)), "recv into a strided slice: gaps untouched")
+        got = torch.empty(334)
+        dist.recv(got, src=1, tag=1)
+        rep.check(torch.equal(got, torch.arange(1000.0)[::3]), "send of a strided 1-D tensor")
+    return rep.result()
+
+
+def test_noncontiguous_buffers(run):
+    assert_reports(run(2, body_strided, timeout=60))
+
+
+def body_recv_timeout(ctx):
+    """rank 1 never sends; rank 0's recv must fail within the group timeout (3 s), and the
+    withdrawn receive must not swallow the next message."""
+    ctx.init(timeout=3)
+    rep = Report(ctx)
+    store = ctx.store("p2p-timeout")
+    msg = None
+    if ctx.rank == 0:
+        buf = torch.zeros(10)
+        t0 = time.monotonic()
+        try:
+            dist.recv(buf, src=1, tag=9)
+            rep.fail("recv from a silent peer returned")
+        except Exception as e:  # noqa: BLE001
+            took = time.monotonic() - t0
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            rep.check(2.5 <= took <= 8, f"recv gave up after {took:.1f} s (timeout 3 s)")
+            rep.check(isinstance(e, dist.DistError), f"not a torch.distributed error: {msg}")
+            rep.check("myccl" in msg and "recv" in msg and "timed out" in msg, f"unclear timeout error: {msg}")
+        # irecv + wait() without a timeout: also bounded by the group timeout
+        w = dist.irecv(torch.zeros(10), src=1, tag=10)
+        t0 = time.monotonic()
+        try:
+            w.wait()
+            rep.fail("irecv.wait() from a silent peer returned")
+        except Exception as e:  # noqa: BLE001
+            took = time.monotonic() - t0
+            rep.check(2.0 <= took <= 8, f"irecv.wait() gave up after {took:.1f} s")
+            rep.check(not w.is_success() and w.exception() is not None, "failed irecv: is_success/exception")
+        store.set("timed-out", "1")
+        got = torch.zeros(10)
+        dist.recv(got, src=1, tag=9)
+        rep.check(torch.equal(got, payload(1, 9, 10)), f"message after the withdrawn receive: {got[:3].tolist()}")
+    else:
+        store.get("timed-out")  # waits (store timeout 60 s) until rank 0 has given up
+        dist.send(payload(1, 9, 10), dst=0, tag=9)
+    y = torch.ones(2)
+    try:
+        dist.all_reduce(y)
+        rep.check(torch.equal(y, torch.full((2,), 2.0)), "all_reduce after a p2p timeout")
+    except Exception as e:  # noqa: BLE001
+        rep.fail(f"group unusable after a p2p receive timed out: {str(e).splitlines()[0]}")
+    return rep.result(), msg
+
+
+def test_recv_from_silent_peer_times_out(run):
+    results = run(2, body_recv_timeout, timeout=60)
+    assert_reports([x[0] for x in results])
+
+
+def body_wait_with_timeout(ctx):
+    """Work.wait(timeout) shorter than the op: raises, the op stays pending and completes later."""
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    store = ctx.store("wait-timeout")
+    if ctx.rank == 0:
+        buf = torch.zeros(100)
+        w = dist.irecv(buf, src=1)
+        t0 = time.monotonic()
+        try:
+            w.wait(timedelta(milliseconds=300))
+            rep.fail("wait(300 ms) returned before anybody sent")
+        except Exception as e:  # noqa: BLE001
+            took = time.monotonic() - t0
+            rep.check(0.2 <= took < 3, f"wait(300 ms) raised after {took:.2f} s")
+            rep.check("myccl" in str(e) and "timed out" in str(e), f"wait(timeout) error: {str(e).splitlines()[0]}")
+        rep.check(not w.is_completed(), "irecv completed although nothing was sent")
+        store.set("go", "1")
+        w.wait()
+        rep.check(w.is_completed() and w.is_success(), "irecv completed after the send")
+        rep.check(torch.equal(buf, payload(1, 0, 100)), "irecv data after an earlier wait(timeout)")
+    else:
+        store.get("go")
+        dist.send(payload(1, 0, 100), dst=0)
+    return rep.result()
+
+
+def test_wait_with_short_timeout_then_complete(run):
+    assert_reports(run(2, body_wait_with_timeout, timeout=60))
+
+
+def body_subgroup_p2p(ctx):
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    g = dist.new_group([1, 2])
+    if ctx.rank == 1:
+        dist.send(payload(1, 0, 1000), dst=2, group=g)          # global rank
+        dist.send(payload(1, 1, 1000), group_dst=1, group=g)    # group rank
+    elif ctx.rank == 2:
+        a, b = torch.empty(1000), torch.empty(1000)
+        dist.recv(a, src=1, group=g)
+        dist.recv(b, group_src=0, group=g)
+        rep.check(torch.equal(a, payload(1, 0, 1000)), "subgroup recv by global rank")
+        rep.check(torch.equal(b, payload(1, 1, 1000)), "subgroup recv by group rank")
+    else:
+        rep.check(True, "rank 0 is not in the subgroup")
+    return rep.result()
+
+
+def test_p2p_in_subgroup(run):
+    assert_reports(run(3, body_subgroup_p2p, timeout=60))
