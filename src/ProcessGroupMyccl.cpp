@@ -28,6 +28,32 @@ using WorkRef = c10::intrusive_ptr<c10d::Work>;
 
 namespace {
 
+// torch's Python names ("float32"), which is what users read in traces and errors.
+std::string dtypeName(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kBool: return "bool";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    case at::kComplexHalf: return "complex32";
+    case at::kUInt16: return "uint16";
+    case at::kUInt32: return "uint32";
+    case at::kUInt64: return "uint64";
+    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
+    case at::kFloat8_e5m2: return "float8_e5m2";
+    default: return c10::toString(st);
+  }
+}
+
+
 // "[4, 1024]" -- on every op (flight recorder), so no stream machinery.
 std::string shapeOf(const at::Tensor& t) {
   std::string s = "[";
@@ -39,7 +65,7 @@ std::string shapeOf(const at::Tensor& t) {
 }
 
 std::string describe(const at::Tensor& t) {
-  return std::string(c10::toString(t.scalar_type())) + shapeOf(t) + " on " + t.device().str();
+  return dtypeName(t.scalar_type()) + shapeOf(t) + " on " + t.device().str();
 }
 
 DType toDType(at::ScalarType st, const std::string& where) {
@@ -58,7 +84,7 @@ DType toDType(at::ScalarType st, const std::string& where) {
     case at::kComplexDouble: return DType::C128;
     default: break;
   }
-  MYCCL_CHECK_ARG(false, where, ": reductions are not supported for dtype ", c10::toString(st),
+  MYCCL_CHECK_ARG(false, where, ": reductions are not supported for dtype ", dtypeName(st),
                   " (supported: float32, float64, float16, bfloat16, int8, int16, int32, int64, uint8, bool, "
                   "complex64, complex128)");
 }
@@ -75,25 +101,6 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
     case c10d::ReduceOp::BXOR: return "BXOR";
     case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
     default: return "UNUSED";
-  }
-}
-
-// torch's Python names ("float32"), which is what users read in traces and errors.
-std::string dtypeName(at::ScalarType st) {
-  switch (st) {
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    case at::kChar: return "int8";
-    case at::kByte: return "uint8";
-    case at::kShort: return "int16";
-    case at::kInt: return "int32";
-    case at::kLong: return "int64";
-    case at::kBool: return "bool";
-    case at::kComplexFloat: return "complex64";
-    case at::kComplexDouble: return "complex128";
-    default: return c10::toString(st);
   }
 }
 
@@ -206,14 +213,16 @@ std::string MycclBackend::where(const char* op) const {
 
 OpInfo MycclBackend::info(OpType type, const char* op, std::chrono::milliseconds timeout, bool asyncOp, bool p2p) {
   OpInfo i;
+  // Validate before taking a sequence number: a rejected call must not put this rank's
+  // numbering out of step with its peers.
+  MYCCL_CHECK_ARG(timeout == c10d::kUnsetTimeout || timeout.count() > 0, where(op), ": timeout must be positive, got ",
+                  timeout.count(), " ms");
   i.asyncOp = asyncOp;
   i.type = type;
   i.op = op;
   i.seq = p2p ? p2pSeq_.fetch_add(1) : collSeq_.fetch_add(1) + 1;
   i.rank = rank_;
   i.group = group_;
-  MYCCL_CHECK_ARG(timeout == c10d::kUnsetTimeout || timeout.count() > 0, where(op), ": timeout must be positive, got ",
-                  timeout.count(), " ms");
   i.timeout = (timeout == c10d::kUnsetTimeout) ? timeout_.load() : timeout;
   return i;
 }
@@ -332,7 +341,7 @@ Reduction MycclBackend::reduction(const char* op, const at::Tensor& t, const c10
   const bool floating = isFloating(dt), complex = isComplex(dt), boolean = dt == DType::Bool;
   const char* name = reduceOpName(rop.op_);
   auto reject = [&](const char* why) {
-    MYCCL_CHECK_ARG(false, w, ": ReduceOp.", name, " is not defined for dtype ", c10::toString(t.scalar_type()), " (",
+    MYCCL_CHECK_ARG(false, w, ": ReduceOp.", name, " is not defined for dtype ", dtypeName(t.scalar_type()), " (",
                     why, ")");
   };
   switch (rop.op_) {
@@ -398,8 +407,8 @@ void checkWritable(const std::string& w, const at::Tensor& t, const char* what) 
 }
 
 void checkSameDtype(const std::string& w, const at::Tensor& ref, const at::Tensor& t, const char* what) {
-  MYCCL_CHECK_ARG(t.scalar_type() == ref.scalar_type(), w, ": ", what, " has dtype ", c10::toString(t.scalar_type()),
-                  " but the input has ", c10::toString(ref.scalar_type()), "; all tensors of one op must share a dtype");
+  MYCCL_CHECK_ARG(t.scalar_type() == ref.scalar_type(), w, ": ", what, " has dtype ", dtypeName(t.scalar_type()),
+                  " but the input has ", dtypeName(ref.scalar_type()), "; all tensors of one op must share a dtype");
 }
 
 // Row-major blocks of `t` for each rank: block r holds elements [r*n, (r+1)*n).
@@ -726,7 +735,7 @@ WorkRef MycclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("reduce_scatter_tensor").reduceScatter(std::move(i), {ins}, {output}, red, opts.asyncOp));
 #endif
-  return record(cpu_->reduceScatter(std::move(i), {ins}, {output}, red));
+  return record(cpu_->reduceScatter(std::move(i), {ins}, {output}, red, {input}));
 }
 
 WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -753,7 +762,7 @@ WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& o
   if (cuda)
     return record(nccl("reduce_scatter_tensor_coalesced").reduceScatter(std::move(i), per, outputs, red, opts.asyncOp));
 #endif
-  return record(cpu_->reduceScatter(std::move(i), per, outputs, red));
+  return record(cpu_->reduceScatter(std::move(i), per, outputs, red, inputs));
 }
 
 WorkRef MycclBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
@@ -798,7 +807,7 @@ WorkRef MycclBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_to_all_single").alltoall(std::move(i), ins, outs, opts.asyncOp));
 #endif
-  return record(cpu_->alltoall(std::move(i), ins, outs));
+  return record(cpu_->alltoall(std::move(i), ins, outs, {input}));
 }
 
 WorkRef MycclBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,

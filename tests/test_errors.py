@@ -88,16 +88,16 @@ def _cases(ctx):
         ("BXOR on float reduce", lambda: dist.reduce(torch.ones(3, dtype=torch.float64), dst=0, op=dist.ReduceOp.BXOR),
          ["reduce", "BXOR"], "myccl"),
         ("AVG on bool", lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool), op=dist.ReduceOp.AVG),
-         ["all_reduce", "AVG", "Bool"], "myccl"),
+         ["all_reduce", "AVG", "bool"], "myccl"),
         ("MAX on complex (reduce_scatter_tensor)", lambda: dist.reduce_scatter_tensor(
             torch.empty(2, dtype=torch.complex64), torch.ones(2 * n, dtype=torch.complex64), op=dist.ReduceOp.MAX),
          ["reduce_scatter_tensor", "MAX"], "myccl"),
         # dtypes without reduction kernels
-        ("uint16 all_reduce", lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint16)), ["all_reduce", "UInt16"], "myccl"),
+        ("uint16 all_reduce", lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint16)), ["all_reduce", "uint16"], "myccl"),
         ("uint32 reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(
-            torch.empty(2, dtype=torch.uint32), torch.ones(2 * n, dtype=torch.uint32)), ["reduce_scatter_tensor", "UInt32"], "myccl"),
+            torch.empty(2, dtype=torch.uint32), torch.ones(2 * n, dtype=torch.uint32)), ["reduce_scatter_tensor", "uint32"], "myccl"),
         ("float8 all_reduce", lambda: dist.all_reduce(torch.zeros(3).to(torch.float8_e4m3fn)),
-         ["all_reduce", "Float8_e4m3fn"], "myccl"),
+         ["all_reduce", "float8_e4m3fn"], "myccl"),
         # peers
         ("send to self", lambda: dist.send(t, dst=r), ["destination rank"], "torch"),
         ("send to self (pg)", lambda: pg.send([t], r, 0).wait(), ["send", f"peer rank {r}", "itself"], "myccl"),

@@ -221,7 +221,12 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
   if (ce && ce->kind() == CommErrorKind::Timeout) {
     timeout = true;
     os << "timed out after " << info.timeout.count() << " ms";
-    if (ce->peer() >= 0) os << " waiting for rank " << ce->peer() << " (" << transport_->describePeer(ce->peer()) << ")";
+    if (ce->peer() >= 0) {
+      // Within a host collectives wait on shared memory; the TCP link is only the lifeline.
+      const bool viaShm = shm_ && topo_.sameHost(rank_, ce->peer()) && op.code != OpCode::Fingerprint;
+      os << " waiting for rank " << ce->peer() << " ("
+         << (viaShm ? std::string("shared memory") : transport_->describePeer(ce->peer())) << ")";
+    }
     os << "; that rank has not reached this op (it may be stuck, dead, or calling something else)";
     auto stray = transport_->unmatched();
     if (!stray.empty()) {
@@ -541,8 +546,9 @@ CpuEngine::WorkPtr CpuEngine::scatter(OpInfo info, std::vector<at::Tensor> input
 }
 
 CpuEngine::WorkPtr CpuEngine::reduceScatter(OpInfo info, std::vector<std::vector<at::Tensor>> inputs,
-                                            std::vector<at::Tensor> outputs, const Reduction& red) {
-  auto w = c10::make_intrusive<MycclWork>(std::move(info), flatList(inputs), outputs);
+                                            std::vector<at::Tensor> outputs, const Reduction& red,
+                                            std::vector<at::Tensor> userInputs) {
+  auto w = c10::make_intrusive<MycclWork>(std::move(info), userInputs.empty() ? flatList(inputs) : userInputs, outputs);
   return enqueue(w, OpCode::ReduceScatter, [inputs, outputs, red](CollCtx& c) {
     for (size_t i = 0; i < outputs.size(); ++i) {
       auto out = Staged::of(outputs[i], false);
@@ -563,8 +569,9 @@ CpuEngine::WorkPtr CpuEngine::reduceScatter(OpInfo info, std::vector<std::vector
   });
 }
 
-CpuEngine::WorkPtr CpuEngine::alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs) {
-  auto w = c10::make_intrusive<MycclWork>(std::move(info), inputs, outputs);
+CpuEngine::WorkPtr CpuEngine::alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                                       std::vector<at::Tensor> userInputs) {
+  auto w = c10::make_intrusive<MycclWork>(std::move(info), userInputs.empty() ? inputs : userInputs, outputs);
   return enqueue(w, OpCode::Alltoall, [inputs, outputs](CollCtx& c) {
     std::vector<Staged> ins, outs;
     std::vector<const void*> sp;

@@ -73,10 +73,13 @@ class CpuEngine {
   WorkPtr gather(OpInfo info, at::Tensor input, std::vector<at::Tensor> outputs, int root);
   WorkPtr scatter(OpInfo info, std::vector<at::Tensor> inputs, at::Tensor output, int root);
   // inputs[i][r] is this rank's contribution to rank r's outputs[i].
+  // `userInputs`: the tensors the caller passed when `inputs` are views cut out of them (what
+  // the profiler reports as the op's input shapes).
   WorkPtr reduceScatter(OpInfo info, std::vector<std::vector<at::Tensor>> inputs, std::vector<at::Tensor> outputs,
-                        const Reduction& red);
+                        const Reduction& red, std::vector<at::Tensor> userInputs = {});
   // inputs[r] goes to rank r, outputs[r] comes from rank r.
-  WorkPtr alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs);
+  WorkPtr alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                   std::vector<at::Tensor> userInputs = {});
   WorkPtr barrier(OpInfo info);
 
   // Point-to-point: posted to the transport now, completed by it; never queued behind
