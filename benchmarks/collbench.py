@@ -194,6 +194,19 @@ def copy_bandwidth() -> float:
     return best
 
 
+def _flat_options():
+    import c10d_ext
+
+    return c10d_ext.Options(hierarchical=False)
+
+
+# Extra myccl configurations measured in the same run (--variants): label -> (backend, pg_options)
+BACKEND_VARIANTS = {
+    "myccl-flat": ("myccl", _flat_options),  # across hosts: every rank over TCP, no per-host level
+    "myccl-tcp": ("myccl", lambda: __import__("c10d_ext").Options(transport="tcp")),
+}
+
+
 def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) -> list[dict] | None:
     import c10d_ext  # noqa: F401
 
@@ -209,10 +222,16 @@ def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) ->
     while s <= args.max_size:
         sizes.append(s)
         s *= args.step
+    if sizes and sizes[-1] < args.max_size:
+        sizes.append(args.max_size)  # the largest size always gets a row
     rows = []
-    for bi, backend in enumerate(args.backends):
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{ports[bi]}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=300))
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    for bi, label in enumerate(args.backends):
+        backend, pg_options = BACKEND_VARIANTS.get(label, (label, None))
+        if callable(pg_options):
+            pg_options = pg_options()
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{ports[bi]}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=300), pg_options=pg_options)
         for op in args.ops:
             if op == "send_recv" and world < 2:
                 continue
@@ -230,11 +249,11 @@ def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) ->
                     dist.all_reduce(flag)
                     ok = flag.item() == 0
                 algbw = case.nbytes / t / 1e9 if op != "barrier" else 0.0
-                rows.append({"backend": backend, "op": op, "bytes": case.nbytes if op != "barrier" else 0,
+                rows.append({"backend": label, "op": op, "bytes": case.nbytes if op != "barrier" else 0,
                              "time_us": t * 1e6, "algbw_gbs": algbw, "busbw_gbs": algbw * bus_factor(op, world),
                              "check": ok})
                 if rank == 0 and args.verbose:
-                    print(f"{backend:6} {op:16} {fmt_size(case.nbytes):>6} {t * 1e6:10.1f} us", flush=True)
+                    print(f"{label:10} {op:16} {fmt_size(case.nbytes):>6} {t * 1e6:10.1f} us", flush=True)
         dist.destroy_process_group()
     if rank == 0:
         return [{"copy_gbs": copy_bw}] + rows
@@ -266,7 +285,10 @@ def report(rows: list[dict], world: int, args, baseline: str) -> dict:
     by = {(r["backend"], r["op"], r["bytes"]): r for r in rows}
     print(f"\ncollbench: world size {world}, device {args.device}, baseline {baseline}"
           + (f", one-core copy {copy_bw:.2f} GB/s" if copy_bw else ""))
-    hdr = (f"{'op':16} {'size':>6} | {'myccl us':>10} {'busbw':>7} | {baseline + ' us':>10} {'busbw':>7} | "
+    variants = [b for b in args.backends if b not in ("myccl", baseline)]
+    hdr = (f"{'op':16} {'size':>6} | {'myccl us':>10} {'busbw':>7} | "
+           + "".join(f"{v + ' us':>14} {'busbw':>7} | " for v in variants)
+           + f"{baseline + ' us':>10} {'busbw':>7} | "
            f"{'speedup':>7}" + ("  bus/copy" if copy_bw else "") + ("  check" if args.check else ""))
     print(hdr)
     print("-" * len(hdr))
@@ -276,16 +298,21 @@ def report(rows: list[dict], world: int, args, baseline: str) -> dict:
             continue
         b = by.get((baseline, r["op"], r["bytes"]))
         speed = b["time_us"] / r["time_us"] if b else float("nan")
+        vrows = {v: by.get((v, r["op"], r["bytes"])) for v in variants}
         line = (f"{r['op']:16} {fmt_size(r['bytes']) if r['op'] != 'barrier' else '-':>6} | "
                 f"{r['time_us']:10.1f} {r['busbw_gbs']:7.2f} | "
-                f"{(b['time_us'] if b else float('nan')):10.1f} {(b['busbw_gbs'] if b else float('nan')):7.2f} | "
+                + "".join(f"{(v['time_us'] if v else float('nan')):14.1f} {(v['busbw_gbs'] if v else float('nan')):7.2f} | "
+                          for v in vrows.values())
+                + f"{(b['time_us'] if b else float('nan')):10.1f} {(b['busbw_gbs'] if b else float('nan')):7.2f} | "
                 f"{speed:6.1f}x")
         if copy_bw:
             line += f"  {r['busbw_gbs'] / copy_bw:8.2f}"
         if args.check:
-            line += f"  {'ok' if r['check'] and (not b or b['check']) else 'FAIL'}"
+            good = r["check"] and (not b or b["check"]) and all(v is None or v["check"] for v in vrows.values())
+            line += f"  {'ok' if good else 'FAIL'}"
         print(line)
-        table.append({**r, "baseline_time_us": b["time_us"] if b else None,
+        table.append({**r, **{f"{v}_time_us": (vr["time_us"] if vr else None) for v, vr in vrows.items()},
+                      "baseline_time_us": b["time_us"] if b else None,
                       "baseline_busbw_gbs": b["busbw_gbs"] if b else None, "speedup": speed})
     return {"world_size": world, "device": args.device, "baseline": baseline, "copy_gbs": copy_bw,
             "torch": torch.__version__, "rows": table, "raw": rows}
@@ -304,18 +331,24 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="default: gloo on cpu, nccl on cuda; 'none' skips it")
     ap.add_argument("--alloc", choices=["torch", "backend"], default="torch",
                     help="backend: myccl tensors come from its shared-memory allocator (zero copy)")
+    ap.add_argument("--variants", default="", help="extra myccl configurations in the same run, comma-separated: "
+                    + ", ".join(BACKEND_VARIANTS) + " (myccl-flat: no per-host level across hosts)")
     ap.add_argument("--check", action="store_true", help="verify every op's result")
     ap.add_argument("--out", default=None, help="JSON path (default bench_out/collbench_<device>_ws<N>.json)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     args.ops = [o for o in args.ops.split(",") if o]
     baseline = args.baseline or ("nccl" if args.device == "cuda" else "gloo")
-    args.backends = ["myccl"] if baseline == "none" else ["myccl", baseline]
+    extra = [v for v in args.variants.split(",") if v]
+    for v in extra:
+        if v not in BACKEND_VARIANTS:
+            ap.error(f"unknown variant {v!r}; known: {', '.join(BACKEND_VARIANTS)}")
+    args.backends = ["myccl"] + extra + ([] if baseline == "none" else [baseline])
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         port = int(os.environ.get("MASTER_PORT", "29500"))
-        rows = run_rank(rank, world, args, [port + 1, port + 2], args.device)
+        rows = run_rank(rank, world, args, [port + 1 + i for i in range(len(args.backends))], args.device)
         if rank != 0:
             return
     else:
@@ -324,7 +357,7 @@ def main() -> None:
         world = args.world_size
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        ports = free_ports(2)
+        ports = free_ports(len(args.backends))
         procs = [ctx.Process(target=_spawn_entry, args=(r, world, args, ports, args.device, q)) for r in range(world)]
         for p in procs:
             p.start()

@@ -22,7 +22,9 @@ def plot_collbench(result: dict, path: str) -> None:
     ops = [o for o in dict.fromkeys(r["op"] for r in result["raw"]) if o != "barrier"]
     fig, axes = plt.subplots(2, len(ops), figsize=(3.2 * len(ops), 6), squeeze=False)
     for j, op in enumerate(ops):
-        for backend, style in (("myccl", "-o"), (result["baseline"], "--s")):
+        labels = list(dict.fromkeys(r["backend"] for r in result["raw"]))
+        styles = {b: ("--s" if b == result["baseline"] else ("-o" if b == "myccl" else "-.^")) for b in labels}
+        for backend, style in styles.items():
             pts = sorted((r["bytes"], r["busbw_gbs"], r["time_us"]) for r in result["raw"]
                          if r["op"] == op and r["backend"] == backend)
             if not pts:

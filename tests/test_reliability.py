@@ -45,6 +45,14 @@ def _my_segments(pids) -> list[str]:
     return [p for p in glob.glob("/dev/shm/myccl-*") if p.split("-")[1] in {str(x) for x in pids}]
 
 
+def _record(name: str, data) -> None:
+    """Figures for the closing note (time to error per scenario): bench_out/faults/<name>.json."""
+    d = os.path.join("bench_out", "faults")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name + ".json"), "w") as f:
+        json.dump(data, f)
+
+
 # ---- dead peer -----------------------------------------------------------------------------
 
 def body_dead_peer(ctx, op, victim, transport):
@@ -93,6 +101,9 @@ def test_dead_peer(run, size, op):
     victim = size - 1
     transport = "auto" if size != 3 else "tcp"  # both the shared-memory and the TCP paths
     res = run(size, body_dead_peer, op, victim, transport, expect_dead=(victim,), timeout=120)
+    _record(f"dead_peer_{op}_ws{size}_{transport}",
+            {"time_to_error_s": [round(o["elapsed"], 3) for q, o in enumerate(res) if q != victim],
+             "error": res[0]["error"][:300]})
     for r, out in enumerate(res):
         if r == victim:
             continue
@@ -140,6 +151,8 @@ def body_stalled(ctx):
 
 def test_stalled_peer_times_out(run):
     out = run(2, body_stalled, timeout=60)[0]
+    _record("stalled_peer", {"wait_timeout_0.5s_took": out["wait_s"], "group_timeout_3s_took": out["op_s"],
+                             "error": out["op"][:300]})
     assert "wait() timed out after 500 ms" in out["wait"] and out["wait_s"] < 1.5, out
     assert "timed out after 3000 ms" in out["op"] and "rank 1" in out["op"] and "all_reduce #1" in out["op"], out
     assert out["op_s"] < 4.5, out
@@ -161,6 +174,7 @@ def body_recv_never_sent(ctx):
 
 def test_recv_from_silent_peer_times_out(run):
     msg, secs = run(2, body_recv_never_sent, timeout=60)[0]
+    _record("recv_silent_peer", {"group_timeout_2s_took": secs, "error": msg[:300]})
     assert "timed out" in msg and "recv from 1" in msg, msg
     assert secs < 3.5
 
