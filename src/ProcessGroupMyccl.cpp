@@ -152,6 +152,12 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   setup.bindAddress = (topo_.singleHost() && cfg_.socketIfname.empty())
                           ? "127.0.0.1"
                           : cpu::chooseListenAddress(cfg_.socketIfname, cfg_.masterAddr);
+  // Large messages between ranks of this host are copied straight from the sender's memory,
+  // unless TCP was asked for everywhere.
+  if (cfg_.transport != "tcp") {
+    setup.directPeers.resize(size);
+    for (int r = 0; r < size; ++r) setup.directPeers[r] = r != rank && topo_.sameHost(rank, r);
+  }
   auto transport = std::make_shared<cpu::TcpTransport>(*store_, prefix + "tcp/", setup, token);
   std::shared_ptr<cpu::ShmGroup> shm;
   // Shared memory among this host's ranks of the group (all of them, or one level of a

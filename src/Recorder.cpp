@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <atomic>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -206,7 +207,10 @@ std::string Recorder::dumpTo(const std::string& dir, const std::string& reason) 
   for (auto& c : safe)
     if (c == '/' || c == ' ') c = '_';
   const std::string path = dir + "/" + safe + "_rank" + std::to_string(rank_) + "_pid" + std::to_string(getpid()) + ".json";
-  const std::string tmp = path + ".tmp";
+  // Two dumps of one group can race (the failed op and the peer-failure hook): each writes its
+  // own temporary file, and the rename makes the last complete one the dump.
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp = path + ".tmp" + std::to_string(counter.fetch_add(1));
   {
     std::ofstream f(tmp);
     if (!f) return "";

@@ -98,6 +98,42 @@ def test_send_recv_basics(run):
     assert_reports(run(2, body_send_recv_basics, timeout=90))
 
 
+def body_direct_copies(ctx, transport):
+    """Large messages between ranks of one host: copied straight from the sender's memory
+    (stats say "direct") unless TCP is forced; small ones always go over the socket."""
+    import c10d_ext
+
+    ctx.init(timeout=30, pg_options=c10d_ext.Options(transport=transport))
+    rep = Report(ctx)
+    r, peer = ctx.rank, 1 - ctx.rank
+    c10d_ext.reset_stats()
+    for numel in [EAGER // 4 + 1, 3 * 1024 * 1024 + 5, 12]:  # just past eager, 12 MB, eager
+        got = torch.empty(numel)
+        ws = dist.isend(payload(r, 5, numel), dst=peer, tag=5)
+        wr = dist.irecv(got, src=peer, tag=5)
+        wr.wait()
+        ws.wait()
+        rep.check(torch.equal(got, payload(peer, 5, numel)), f"{numel} floats both ways")
+    # the sender's buffer is the message: a receive posted late still gets the bytes as sent
+    if r == 0:
+        src = payload(0, 6, 1 << 20)
+        dist.send(src, dst=1, tag=6)
+    else:
+        time.sleep(0.3)
+        got = torch.empty(1 << 20)
+        dist.recv(got, src=0, tag=6)
+        rep.check(torch.equal(got, payload(0, 6, 1 << 20)), "late receive of 4 MB")
+    st = c10d_ext.stats()
+    rep.check(any(k.endswith("/direct") for k in st) == (transport == "auto"), f"stats {sorted(st)}")
+    rep.check(any(k.endswith("/tcp") for k in st), f"small messages over the socket: {sorted(st)}")
+    return rep.result()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_direct_copies_between_local_ranks(run, transport):
+    assert_reports(run(2, body_direct_copies, transport, timeout=60))
+
+
 def body_out_of_order_tags(ctx):
     ctx.init(timeout=30)
     rep = Report(ctx)

@@ -613,17 +613,18 @@ struct P2PDone {
 
 void finishP2P(const c10::intrusive_ptr<MycclWork>& w, const Request& req, const std::function<void()>& onOk,
                const P2PDone& d) {
+  const char* via = req.via() ? req.via() : d.transport;
   try {
     req.rethrow();
     if (onOk) onOk();
-    d.stats->add(profilingTitle(w->info().type) + 6, d.transport, req.nbytes(),
+    d.stats->add(profilingTitle(w->info().type) + 6, via, req.nbytes(),
                  std::chrono::duration<double>(Clock::now() - w->startTime()).count());
-    d.recorder->ended(d.record, "p2p", d.transport, req.nbytes(), "");
+    d.recorder->ended(d.record, "p2p", via, req.nbytes(), "");
     w->setSourceRank(req.source());
     w->markDone();
   } catch (const std::exception& e) {
     std::string msg = "myccl: " + w->info().describe() + " failed: " + e.what();
-    d.recorder->ended(d.record, "p2p", d.transport, req.nbytes(), msg);
+    d.recorder->ended(d.record, "p2p", via, req.nbytes(), msg);
     w->markDone(makeDistError(msg));
   }
 }

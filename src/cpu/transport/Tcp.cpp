@@ -4,6 +4,13 @@
 // and by the epoll thread otherwise. Messages up to eagerBytes travel at once; larger ones
 // announce themselves (RTS) and are sent when the receiver has posted a buffer (CTS), so a
 // receiver never buffers a large unexpected message and never stalls other tags behind it.
+// Between ranks of one host the receiver answers an announcement by copying the message
+// straight out of the sender's memory (process_vm_readv: one copy instead of two through the
+// kernel's socket buffers) and says so (DIRECT_DONE); the sender completes its send and
+// confirms (DIRECT_ACK), and only then does the receive complete. A sender that failed and
+// may have reused its buffer never confirms, so a receive never completes with bytes read
+// from a buffer that was no longer the message. Where the kernel refuses (ptrace policy,
+// other pid namespace) the transfer falls back to the socket.
 #include <pthread.h>
 #include "myccl/cpu/transport/Tcp.hpp"
 
@@ -16,6 +23,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -34,7 +42,16 @@ constexpr uint32_t kHelloMagic = 0x4d59434cu;
 constexpr uint32_t kVersion = 1;
 constexpr size_t kTokenBytes = 32;
 
-enum Kind : uint32_t { kEager = 1, kRts = 2, kCts = 3, kData = 4, kNack = 5, kGoodbye = 6 };
+enum Kind : uint32_t {
+  kEager = 1,
+  kRts = 2,
+  kCts = 3,
+  kData = 4,
+  kNack = 5,
+  kGoodbye = 6,
+  kDirectDone = 7,  // receiver -> sender: copied your message (id: send id, tag: receive id)
+  kDirectAck = 8,   // sender -> receiver: the send was still live throughout (id: receive id)
+};
 constexpr size_t kMaxGoodbye = 4096;
 
 struct Hello {
@@ -149,6 +166,10 @@ struct TcpTransport::Frame {
   uint64_t tag;
   uint64_t nbytes;
   uint64_t id;
+  // RTS between ranks of one host: where the message lives in the sender (0: use the socket).
+  uint64_t addr;
+  uint64_t pid;
+  uint64_t pidNs;
 };
 
 struct TcpTransport::SendItem {
@@ -176,6 +197,7 @@ struct TcpTransport::Unexpected {
   bool rts = false;
   uint64_t sendId = 0;
   size_t nbytes = 0;
+  Frame rts_frame{};  // the announcement (for a direct copy)
   std::vector<char> data;
   bool complete = false;
   uint64_t order = 0;
@@ -200,6 +222,9 @@ struct TcpTransport::Peer {
   std::deque<std::shared_ptr<PostedRecv>> posted;
   std::deque<std::shared_ptr<Unexpected>> unexpected;
   std::unordered_map<uint64_t, std::shared_ptr<PostedRecv>> activeRecvs;  // awaiting DATA
+  // Receives being copied directly from the sender's memory, then awaiting its DIRECT_ACK.
+  std::unordered_map<uint64_t, std::shared_ptr<PostedRecv>> directRecvs;
+  bool direct = false;  // large messages from this peer may be copied directly
   // Read state machine (epoll thread only; targets are fixed under mu_ at header time).
   Frame hdr{};
   size_t hdrGot = 0;
@@ -222,6 +247,10 @@ TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, Tcp
     : setup_(std::move(setup)) {
   peers_.resize(setup_.size);
   for (auto& p : peers_) p = std::make_unique<Peer>();
+  struct stat ns {};
+  if (::stat("/proc/self/ns/pid", &ns) == 0) pidNs_ = static_cast<uint64_t>(ns.st_ino);
+  for (int r = 0; r < setup_.size && r < static_cast<int>(setup_.directPeers.size()); ++r)
+    peers_[r]->direct = r != setup_.rank && setup_.directPeers[r] && pidNs_ != 0;
   connectMesh(store, keyPrefix, token);
   epfd_ = epoll_create1(EPOLL_CLOEXEC);
   wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -427,6 +456,11 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
       uint64_t id = nextId_++;
       item->hdr.magicKind = kMagic << 8 | kRts;
       item->hdr.id = id;
+      if (p.direct) {
+        item->hdr.addr = reinterpret_cast<uintptr_t>(data);
+        item->hdr.pid = static_cast<uint64_t>(::getpid());
+        item->hdr.pidNs = pidNs_;
+      }
       p.awaitingCts.emplace(id, Peer::PendingRts{req, static_cast<const char*>(data), nbytes});
     }
     pushSend(peer, std::move(item), done);
@@ -543,13 +577,7 @@ void TcpTransport::matchPostedLocked(const std::shared_ptr<PostedRecv>& pr,
     return;
   }
   if (u->rts) {
-    uint64_t recvId = nextId_++;
-    p.activeRecvs.emplace(recvId, pr);
-    auto cts = std::make_unique<SendItem>();
-    cts->hdr.magicKind = kMagic << 8 | kCts;
-    cts->hdr.id = u->sendId;
-    cts->hdr.tag = recvId;
-    pushSend(bestPeer, std::move(cts), done);
+    grantLocked(bestPeer, pr, u->sendId, u->rts_frame, done);
     return;
   }
   if (!u->complete) {
@@ -559,6 +587,85 @@ void TcpTransport::matchPostedLocked(const std::shared_ptr<PostedRecv>& pr,
   if (!u->data.empty()) std::memcpy(pr->data, u->data.data(), u->data.size());
   int src = bestPeer;
   done.push_back([req, src] { req->complete(src); });
+}
+
+// An announced message meets its receive: copy it directly when the peer shares this host
+// and the kernel lets us, else clear the sender to send it over the socket.
+void TcpTransport::grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, uint64_t sendId, const Frame& rts,
+                               std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  const uint64_t recvId = nextId_++;
+  if (p.direct && rts.addr != 0 && rts.pidNs == pidNs_ && pidNs_ != 0) {
+    p.directRecvs.emplace(recvId, pr);
+    const uint64_t addr = rts.addr, pid = rts.pid;
+    done.push_back([this, peer, recvId, pr, sendId, addr, pid] { directCopy(peer, recvId, pr, sendId, addr, pid); });
+    return;
+  }
+  p.activeRecvs.emplace(recvId, pr);
+  auto cts = std::make_unique<SendItem>();
+  cts->hdr.magicKind = kMagic << 8 | kCts;
+  cts->hdr.id = sendId;
+  cts->hdr.tag = recvId;
+  pushSend(peer, std::move(cts), done);
+}
+
+// Runs outside mu_ (on the thread that matched the receive).
+void TcpTransport::directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedRecv> pr, uint64_t sendId,
+                              uint64_t addr, uint64_t pid) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_ || peers_[peer]->dead || !peers_[peer]->directRecvs.count(recvId)) return;
+    ++copiesInFlight_;
+  }
+  size_t got = 0;
+  int err = 0;
+  while (got < pr->nbytes) {
+    iovec local{pr->data + got, pr->nbytes - got};
+    iovec remote{reinterpret_cast<void*>(addr + got), pr->nbytes - got};
+    ssize_t r = ::process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      err = r < 0 ? errno : EFAULT;
+      break;
+    }
+    got += static_cast<size_t>(r);
+  }
+  std::vector<std::function<void()>> done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (--copiesInFlight_ == 0) copiesIdle_.notify_all();
+    auto& p = *peers_[peer];
+    auto it = p.directRecvs.find(recvId);
+    if (it != p.directRecvs.end() && !closed_ && !p.dead) {
+      if (err == 0) {
+        auto ack = std::make_unique<SendItem>();
+        ack->hdr.magicKind = kMagic << 8 | kDirectDone;
+        ack->hdr.id = sendId;
+        ack->hdr.tag = recvId;
+        pushSend(peer, std::move(ack), done);
+      } else if (err == EPERM || err == EACCES || err == ENOSYS || err == ESRCH) {
+        // Not allowed (Yama ptrace policy, seccomp) or not the process we think (another pid
+        // namespace): use the socket for this peer from now on.
+        p.direct = false;
+        p.directRecvs.erase(it);
+        std::string why = "direct copies between local ranks unavailable (" + errnoStr(err) +
+                          "); large messages go through TCP";
+        done.push_back([why] { logOnce("tcp-direct-off", LogLevel::Info, why); });
+        p.activeRecvs.emplace(recvId, pr);
+        auto cts = std::make_unique<SendItem>();
+        cts->hdr.magicKind = kMagic << 8 | kCts;
+        cts->hdr.id = sendId;
+        cts->hdr.tag = recvId;
+        pushSend(peer, std::move(cts), done);
+      } else {
+        peerFailedLocked(peer,
+                         "reading a message directly from rank " + std::to_string(peer) + " (pid " +
+                             std::to_string(pid) + ") failed: " + errnoStr(err),
+                         done);
+      }
+    }
+  }
+  for (auto& f : done) f();
 }
 
 void TcpTransport::pushSend(int peer, std::unique_ptr<SendItem> item, std::vector<std::function<void()>>& done) {
@@ -769,6 +876,7 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
       u->check = f.check;
       u->rts = (kind == kRts);
       u->sendId = f.id;
+      u->rts_frame = f;
       u->nbytes = f.nbytes;
       u->order = nextId_++;
       if (kind == kEager) {
@@ -803,13 +911,7 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
       return;
     }
     if (kind == kRts) {
-      uint64_t recvId = nextId_++;
-      p.activeRecvs.emplace(recvId, match);
-      auto cts = std::make_unique<SendItem>();
-      cts->hdr.magicKind = kMagic << 8 | kCts;
-      cts->hdr.id = f.id;
-      cts->hdr.tag = recvId;
-      pushSend(peer, std::move(cts), done);
+      grantLocked(peer, match, f.id, f, done);
       return;
     }
     if (f.nbytes == 0) {
@@ -845,6 +947,34 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
     item->nbytes = pending.nbytes;
     item->req = pending.req;
     pushSend(peer, std::move(item), done);
+    return;
+  }
+  if (kind == kDirectDone) {
+    auto it = p.awaitingCts.find(f.id);
+    if (it == p.awaitingCts.end()) {
+      peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " copied an unknown send", done);
+      return;
+    }
+    auto req = it->second.req;
+    p.awaitingCts.erase(it);
+    req->setVia("direct");
+    done.push_back([req, peer] { req->complete(peer); });
+    auto ack = std::make_unique<SendItem>();
+    ack->hdr.magicKind = kMagic << 8 | kDirectAck;
+    ack->hdr.id = f.tag;
+    pushSend(peer, std::move(ack), done);
+    return;
+  }
+  if (kind == kDirectAck) {
+    auto it = p.directRecvs.find(f.id);
+    if (it == p.directRecvs.end()) {
+      peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " confirmed an unknown copy", done);
+      return;
+    }
+    auto req = it->second->req;
+    p.directRecvs.erase(it);
+    req->setVia("direct");
+    done.push_back([req, peer] { req->complete(peer); });
     return;
   }
   if (kind == kData) {
@@ -949,6 +1079,8 @@ void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vecto
   p.posted.clear();
   for (auto& kv : p.activeRecvs) failReq(kv.second->req);
   p.activeRecvs.clear();
+  for (auto& kv : p.directRecvs) failReq(kv.second->req);
+  p.directRecvs.clear();
   // Messages that arrived whole before the peer left are still good: a peer that finished
   // its part of an op and exited must not make this rank lose what it sent. Only partial
   // messages and announcements of data that can no longer come are dropped.
@@ -1015,7 +1147,10 @@ void TcpTransport::close(const std::string& reason, bool failure) {
   }
   std::vector<std::function<void()>> done;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
+    // A direct copy into a caller's buffer may be running on another thread: the caller frees
+    // buffers once close() returns. Copies never wait for peers, so this is short.
+    copiesIdle_.wait(lk, [&] { return copiesInFlight_ == 0; });
     for (int r = 0; r < setup_.size; ++r) {
       if (r == setup_.rank) continue;
       auto& p = *peers_[r];

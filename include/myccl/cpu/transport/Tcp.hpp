@@ -24,6 +24,10 @@ struct TcpSetup {
   int64_t eagerBytes = 64 * 1024;
   std::chrono::milliseconds timeout{30000};  // for connecting the mesh
   std::chrono::milliseconds connectDelay{0};  // testing only
+  // Peers on this host (empty: none): their large messages are copied straight out of the
+  // sender's memory (process_vm_readv, one copy) after the usual handshake; the socket only
+  // carries the announcement and the acknowledgements.
+  std::vector<char> directPeers;
 };
 
 class TcpTransport final : public Transport {
@@ -66,6 +70,10 @@ class TcpTransport final : public Transport {
   void peerFailedLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done);
   void matchPostedLocked(const std::shared_ptr<PostedRecv>& pr, std::vector<std::function<void()>>& done);
   void updateInterestLocked(int peer);
+  void grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, uint64_t sendId, const Frame& rts,
+                   std::vector<std::function<void()>>& done);
+  void directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedRecv> pr, uint64_t sendId, uint64_t addr,
+                  uint64_t pid);
   void wake();
 
   TcpSetup setup_;
@@ -80,6 +88,11 @@ class TcpTransport final : public Transport {
   bool closed_ = false;
   std::string closeReason_;
   std::atomic<int> rejected_{0};
+  // Direct copies running outside mu_; close() waits for them before it returns (callers free
+  // buffers after close).
+  int copiesInFlight_ = 0;
+  std::condition_variable copiesIdle_;
+  uint64_t pidNs_ = 0;  // our pid namespace: a pid in an announcement means something only within one
 };
 
 }  // namespace myccl::cpu

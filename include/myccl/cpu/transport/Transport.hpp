@@ -3,6 +3,7 @@
 // see a socket or a shared-memory name; a transport never sees a dtype or a ReduceOp.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -40,6 +41,10 @@ class Request {
   void onDone(std::function<void()> fn);
   // Rethrows the failure, if any. Only meaningful once done.
   void rethrow() const;
+  // How the bytes travelled when that differs from the transport's name (stats, traces);
+  // set by the transport before it completes the request.
+  void setVia(const char* via) { via_.store(via, std::memory_order_release); }
+  const char* via() const { return via_.load(std::memory_order_acquire); }
 
  private:
   const int peer_;
@@ -54,6 +59,7 @@ class Request {
   int errorPeer_ = -1;
   std::string error_;
   std::function<void()> callback_;
+  std::atomic<const char*> via_{nullptr};
 };
 
 using RequestPtr = std::shared_ptr<Request>;
