@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -240,7 +241,7 @@ def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) ->
                 alloc = None
                 if args.alloc == "backend" and backend == "myccl" and device_type == "cpu":
                     be = dist.group.WORLD._get_backend(device)
-                    alloc = lambda numel, dt: be._allocate_tensor(numel, dt)  # noqa: E731
+                    alloc = lambda numel, dt: be.allocate_tensor(numel, dtype=dt, device=device)  # noqa: E731
                 case = Case(op, nbytes, rank, world, device, alloc)
                 t = time_case(case, device, args.trials, args.budget)
                 ok = case.check() if args.check else None
@@ -361,7 +362,16 @@ def main() -> None:
         procs = [ctx.Process(target=_spawn_entry, args=(r, world, args, ports, args.device, q)) for r in range(world)]
         for p in procs:
             p.start()
-        rows = q.get()
+        rows = None
+        while rows is None:  # a rank that dies must end the run, not hang it
+            try:
+                rows = q.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    for p in procs:
+                        p.kill()
+                    sys.exit(f"collbench: rank(s) {dead} failed (exit codes {[procs[r].exitcode for r in dead]})")
         for p in procs:
             p.join()
     result = report(rows, world, args, baseline)

@@ -48,7 +48,9 @@ def main() -> None:
             if i == 0:
                 cmd += ["--rdzv-conf", "is_host=1"]
             cmd += [os.path.join(HERE, "collbench.py"), "--variants", "myccl-flat", "--out", out] + rest
-            procs.append(hosts.popen(i, cmd, env, start_new_session=True,
+            # gloo binds to what the hostname resolves to (loopback in a namespace): name the link
+            host_env = dict(env, GLOO_SOCKET_IFNAME=hosts.devs[i])
+            procs.append(hosts.popen(i, cmd, host_env, start_new_session=True,
                                      stdout=None if i == 0 else subprocess.DEVNULL))
         rc = [p.wait(timeout=args.timeout) for p in procs]
     if any(rc):

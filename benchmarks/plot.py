@@ -2,6 +2,7 @@
 
     python benchmarks/plot.py bench_out/collbench_cpu_ws2.json [more.json ...]
     python benchmarks/plot.py bench_out/ddp_bench.json
+    python benchmarks/plot.py --markdown bench_out/collbench_cpu_ws2.json   # the README's table
 """
 
 from __future__ import annotations
@@ -47,6 +48,34 @@ def plot_collbench(result: dict, path: str) -> None:
     print(f"plot: {path}")
 
 
+def markdown_collbench(result: dict, small: int = 8, mids=(2 << 20,), large=(32 << 20, 256 << 20)) -> str:
+    """One row per op: latency at `small` bytes and busbw at the larger sizes, myccl vs the
+    baseline, with the speed-up. Sizes absent from the run are left out."""
+    by = {(r["op"], r["bytes"]): r for r in result["rows"]}
+    sizes = [s for s in (*mids, *large) if any(k[1] == s for k in by)]
+
+    def fmt(n):
+        return f"{n >> 20} MiB" if n >= 1 << 20 else (f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B")
+
+    base = result["baseline"]
+    head = f"| op | {fmt(small)} (or the smallest size): myccl / {base} (µs) | " + " | ".join(
+        f"{fmt(s)}: myccl / {base} busbw (GB/s)" for s in sizes) + " |"
+    lines = [head, "|" + "---|" * (2 + len(sizes))]
+    for op in dict.fromkeys(r["op"] for r in result["rows"]):
+        if op == "barrier":
+            r = by.get((op, 0))
+            lines.append(f"| barrier | {r['time_us']:.0f} / {r['baseline_time_us']:.0f} ({r['speedup']:.0f}x) |"
+                         + " |" * len(sizes))
+            continue
+        r = by.get((op, small)) or min((v for k, v in by.items() if k[0] == op), key=lambda v: v["bytes"], default=None)
+        cells = [f"{r['time_us']:.0f} / {r['baseline_time_us']:.0f} ({r['speedup']:.0f}x)" if r else "-"]
+        for s in sizes:
+            r = by.get((op, s))
+            cells.append(f"{r['busbw_gbs']:.2f} / {r['baseline_busbw_gbs']:.2f} ({r['speedup']:.1f}x)" if r else "-")
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot_generic_rows(result: dict, path: str) -> None:
     """Bar chart for benchmarks that report named rows with a time (e.g. ddp_bench)."""
     try:
@@ -76,9 +105,15 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    for p in argv:
+    markdown = argv[0] == "--markdown"
+    for p in argv[1:] if markdown else argv:
         with open(p) as f:
             result = json.load(f)
+        if markdown:
+            print(f"world size {result['world_size']}, {result['device']}"
+                  + (f", one-core copy {result['copy_gbs']:.1f} GB/s" if result.get("copy_gbs") else "") + ":\n")
+            print(markdown_collbench(result) + "\n")
+            continue
         out = p[:-5] + ".png" if p.endswith(".json") else p + ".png"
         if "raw" in result and "baseline" in result:
             plot_collbench(result, out)
