@@ -651,12 +651,7 @@ void TcpTransport::directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedR
         std::string why = "direct copies between local ranks unavailable (" + errnoStr(err) +
                           "); large messages go through TCP";
         done.push_back([why] { logOnce("tcp-direct-off", LogLevel::Info, why); });
-        p.activeRecvs.emplace(recvId, pr);
-        auto cts = std::make_unique<SendItem>();
-        cts->hdr.magicKind = kMagic << 8 | kCts;
-        cts->hdr.id = sendId;
-        cts->hdr.tag = recvId;
-        pushSend(peer, std::move(cts), done);
+        grantLocked(peer, pr, sendId, Frame{}, done);  // clear-to-send over the socket
       } else {
         peerFailedLocked(peer,
                          "reading a message directly from rank " + std::to_string(peer) + " (pid " +
