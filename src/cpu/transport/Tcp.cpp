@@ -197,7 +197,7 @@ struct TcpTransport::Unexpected {
   bool rts = false;
   uint64_t sendId = 0;
   size_t nbytes = 0;
-  Frame rts_frame{};  // the announcement (for a direct copy)
+  Frame announced{};  // the announcement (for a direct copy)
   std::vector<char> data;
   bool complete = false;
   uint64_t order = 0;
@@ -577,7 +577,7 @@ void TcpTransport::matchPostedLocked(const std::shared_ptr<PostedRecv>& pr,
     return;
   }
   if (u->rts) {
-    grantLocked(bestPeer, pr, u->sendId, u->rts_frame, done);
+    grantLocked(bestPeer, pr, u->sendId, u->announced, done);
     return;
   }
   if (!u->complete) {
@@ -871,7 +871,7 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
       u->check = f.check;
       u->rts = (kind == kRts);
       u->sendId = f.id;
-      u->rts_frame = f;
+      u->announced = f;
       u->nbytes = f.nbytes;
       u->order = nextId_++;
       if (kind == kEager) {
