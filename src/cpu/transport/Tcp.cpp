@@ -179,6 +179,16 @@ struct TcpTransport::SendItem {
   size_t nbytes = 0;
   size_t off = 0;
   RequestPtr req;  // completed when fully written; null for control frames
+
+  // A frame without payload (CTS, NACK, DIRECT_DONE, DIRECT_ACK).
+  static std::unique_ptr<SendItem> control(uint32_t kind, uint64_t id, uint64_t tag = 0, uint64_t nbytes = 0) {
+    auto item = std::make_unique<SendItem>();
+    item->hdr.magicKind = kMagic << 8 | kind;
+    item->hdr.id = id;
+    item->hdr.tag = tag;
+    item->hdr.nbytes = nbytes;
+    return item;
+  }
 };
 
 struct TcpTransport::PostedRecv {
@@ -568,11 +578,7 @@ void TcpTransport::matchPostedLocked(const std::shared_ptr<PostedRecv>& pr,
     int peer = bestPeer;
     done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
     if (u->rts) {
-      auto nack = std::make_unique<SendItem>();
-      nack->hdr.magicKind = kMagic << 8 | kNack;
-      nack->hdr.id = u->sendId;
-      nack->hdr.nbytes = pr->nbytes;
-      pushSend(bestPeer, std::move(nack), done);
+      pushSend(bestPeer, SendItem::control(kNack, u->sendId, 0, pr->nbytes), done);
     }
     return;
   }
@@ -602,11 +608,7 @@ void TcpTransport::grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, 
     return;
   }
   p.activeRecvs.emplace(recvId, pr);
-  auto cts = std::make_unique<SendItem>();
-  cts->hdr.magicKind = kMagic << 8 | kCts;
-  cts->hdr.id = sendId;
-  cts->hdr.tag = recvId;
-  pushSend(peer, std::move(cts), done);
+  pushSend(peer, SendItem::control(kCts, sendId, recvId), done);
 }
 
 // Runs outside mu_ (on the thread that matched the receive).
@@ -638,11 +640,7 @@ void TcpTransport::directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedR
     auto it = p.directRecvs.find(recvId);
     if (it != p.directRecvs.end() && !closed_ && !p.dead) {
       if (err == 0) {
-        auto ack = std::make_unique<SendItem>();
-        ack->hdr.magicKind = kMagic << 8 | kDirectDone;
-        ack->hdr.id = sendId;
-        ack->hdr.tag = recvId;
-        pushSend(peer, std::move(ack), done);
+        pushSend(peer, SendItem::control(kDirectDone, sendId, recvId), done);
       } else if (err == EPERM || err == EACCES || err == ENOSYS || err == ESRCH) {
         // Not allowed (Yama ptrace policy, seccomp) or not the process we think (another pid
         // namespace): use the socket for this peer from now on.
@@ -897,11 +895,7 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
       if (kind == kEager) {
         if (f.nbytes > 0) startDiscard(f.nbytes);
       } else {
-        auto nack = std::make_unique<SendItem>();
-        nack->hdr.magicKind = kMagic << 8 | kNack;
-        nack->hdr.id = f.id;
-        nack->hdr.nbytes = match->nbytes;
-        pushSend(peer, std::move(nack), done);
+        pushSend(peer, SendItem::control(kNack, f.id, 0, match->nbytes), done);
       }
       return;
     }
@@ -954,10 +948,7 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
     p.awaitingCts.erase(it);
     req->setVia("direct");
     done.push_back([req, peer] { req->complete(peer); });
-    auto ack = std::make_unique<SendItem>();
-    ack->hdr.magicKind = kMagic << 8 | kDirectAck;
-    ack->hdr.id = f.tag;
-    pushSend(peer, std::move(ack), done);
+    pushSend(peer, SendItem::control(kDirectAck, f.tag), done);
     return;
   }
   if (kind == kDirectAck) {
