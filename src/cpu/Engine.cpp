@@ -135,11 +135,15 @@ CpuEngine::WorkPtr CpuEngine::enqueue(WorkPtr w, OpCode code, std::function<void
   }
   runOp(op);
   op = Op{};
+  bool queued = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     running_ = false;
+    queued = !queue_.empty();
   }
-  cv_.notify_one();  // ops queued meanwhile may start now
+  // Waking the engine thread for nothing costs a futex call here and, worse, a context switch
+  // on a core a peer rank may be using: only ops queued meanwhile need it.
+  if (queued) cv_.notify_one();
   idleCv_.notify_all();
   return w;
 }
