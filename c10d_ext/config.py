@@ -96,6 +96,9 @@ VARS: list[Var] = [
         "DETAIL: check every op's fingerprint (op, sizes, dtype, root) across ranks before running it"),
     Var("MYCCL_TCP_EAGER_BYTES", "tcp_eager_bytes", _bytes, 64 * 1024,
         "TCP messages up to this size are sent at once; larger ones wait until the receiver is ready"),
+    Var("MYCCL_LOCAL_EAGER_BYTES", "local_eager_bytes", _bytes, 256 * 1024,
+        "point-to-point messages to a rank on this host up to this size go through the socket at once; "
+        "larger ones are copied straight out of the sender's memory once the receiver is ready"),
     Var("MYCCL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", _bytes, 4 * 1024 * 1024,
         "segment size for pipelined TCP algorithms"),
     Var("MYCCL_SHM_BUFFER_BYTES", "shm_buffer_bytes", _bytes, 1 << 20,

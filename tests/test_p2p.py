@@ -19,7 +19,8 @@ import torch.distributed as dist
 from expect import make
 from harness import Report, assert_reports
 
-EAGER = 64 * 1024
+EAGER = 64 * 1024  # MYCCL_TCP_EAGER_BYTES
+LOCAL_EAGER = 256 * 1024  # MYCCL_LOCAL_EAGER_BYTES: peers on this host
 
 
 def payload(src: int, tag: int, numel: int, dtype=torch.float32) -> torch.Tensor:
@@ -45,7 +46,8 @@ def body_send_recv_basics(ctx):
             rep.check(torch.equal(got, payload(0, k, 37, dtype)), f"blocking recv {dtype}")
             dist.send(payload(1, k, 37, dtype), dst=0, tag=k)
     # sizes around the eager limit and well beyond it; both ranks send and receive at once
-    for numel in [0, 1, EAGER - 1, EAGER, EAGER + 1, 100 * 1024, 3 * 1024 * 1024 + 7, 9 * 1024 * 1024]:
+    for numel in [0, 1, EAGER - 1, EAGER, EAGER + 1, 100 * 1024, LOCAL_EAGER, LOCAL_EAGER + 1, 3 * 1024 * 1024 + 7,
+                  9 * 1024 * 1024]:
         out = payload(r, 100, numel, torch.uint8) if numel < 4 * 1024 * 1024 else torch.arange(numel, dtype=torch.int64).to(torch.uint8) + r
         want = payload(peer, 100, numel, torch.uint8) if numel < 4 * 1024 * 1024 else torch.arange(numel, dtype=torch.int64).to(torch.uint8) + peer
         got = torch.empty(numel, dtype=torch.uint8)
@@ -106,14 +108,20 @@ def body_direct_copies(ctx, transport):
     ctx.init(timeout=30, pg_options=c10d_ext.Options(transport=transport))
     rep = Report(ctx)
     r, peer = ctx.rank, 1 - ctx.rank
-    c10d_ext.reset_stats()
-    for numel in [EAGER // 4 + 1, 3 * 1024 * 1024 + 5, 12]:  # just past eager, 12 MB, eager
+    limit = LOCAL_EAGER if transport == "auto" else EAGER
+    # at the eager limit, just past it, 12 MB, tiny: which path each took is in the stats
+    for numel, path in [(limit // 4, "tcp"), (limit // 4 + 1, None), (3 * 1024 * 1024 + 5, None), (12, "tcp")]:
+        c10d_ext.reset_stats()
         got = torch.empty(numel)
         ws = dist.isend(payload(r, 5, numel), dst=peer, tag=5)
         wr = dist.irecv(got, src=peer, tag=5)
         wr.wait()
         ws.wait()
         rep.check(torch.equal(got, payload(peer, 5, numel)), f"{numel} floats both ways")
+        path = path or ("direct" if transport == "auto" else "tcp")
+        rep.check(sorted(k.split("/")[1] for k in c10d_ext.stats()) == [path, path],
+                  f"{numel} floats sent and received by {path}: {sorted(c10d_ext.stats())}")
+    c10d_ext.reset_stats()
     # the sender's buffer is the message: a receive posted late still gets the bytes as sent
     if r == 0:
         src = payload(0, 6, 1 << 20)
@@ -125,7 +133,6 @@ def body_direct_copies(ctx, transport):
         rep.check(torch.equal(got, payload(0, 6, 1 << 20)), "late receive of 4 MB")
     st = c10d_ext.stats()
     rep.check(any(k.endswith("/direct") for k in st) == (transport == "auto"), f"stats {sorted(st)}")
-    rep.check(any(k.endswith("/tcp") for k in st), f"small messages over the socket: {sorted(st)}")
     return rep.result()
 
 

@@ -26,6 +26,9 @@ struct Config {
   bool debugDetail = false;
   // Messages up to this size are sent eagerly; larger ones wait for the receiver (TCP).
   int64_t tcpEagerBytes = 64 * 1024;
+  // The same for peers on this host whose large messages are copied directly (process_vm_readv):
+  // below this size the socket's two copies cost less than the direct copy's three hand-offs.
+  int64_t localEagerBytes = 256 * 1024;
   // Segment size for pipelined TCP algorithms.
   int64_t tcpChunkBytes = 4 * 1024 * 1024;
   // Size of each of the two shared-memory staging buffers per rank (the pipeline chunk).

@@ -235,6 +235,7 @@ struct TcpTransport::Peer {
   // Receives being copied directly from the sender's memory, then awaiting its DIRECT_ACK.
   std::unordered_map<uint64_t, std::shared_ptr<PostedRecv>> directRecvs;
   bool direct = false;  // large messages from this peer may be copied directly
+  int64_t eagerBytes = 0;  // messages to this peer up to this size are sent at once
   // Read state machine (epoll thread only; targets are fixed under mu_ at header time).
   Frame hdr{};
   size_t hdrGot = 0;
@@ -259,8 +260,14 @@ TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, Tcp
   for (auto& p : peers_) p = std::make_unique<Peer>();
   struct stat ns {};
   if (::stat("/proc/self/ns/pid", &ns) == 0) pidNs_ = static_cast<uint64_t>(ns.st_ino);
-  for (int r = 0; r < setup_.size && r < static_cast<int>(setup_.directPeers.size()); ++r)
-    peers_[r]->direct = r != setup_.rank && setup_.directPeers[r] && pidNs_ != 0;
+  for (int r = 0; r < setup_.size; ++r) {
+    auto& p = *peers_[r];
+    p.direct = r != setup_.rank && r < static_cast<int>(setup_.directPeers.size()) && setup_.directPeers[r] &&
+               pidNs_ != 0;
+    // A direct copy takes three messages through sleeping threads (announce, done, ack): for
+    // a peer on this host the socket's extra copy is cheaper up to a few hundred KiB.
+    p.eagerBytes = p.direct ? std::max(setup_.eagerBytes, setup_.localEagerBytes) : setup_.eagerBytes;
+  }
   connectMesh(store, keyPrefix, token);
   epfd_ = epoll_create1(EPOLL_CLOEXEC);
   wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -457,7 +464,7 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
     item->hdr.tag = tag;
     item->hdr.nbytes = nbytes;
     item->hdr.check = check;
-    if (static_cast<int64_t>(nbytes) <= setup_.eagerBytes) {
+    if (static_cast<int64_t>(nbytes) <= p.eagerBytes) {
       item->hdr.magicKind = kMagic << 8 | kEager;
       item->data = static_cast<const char*>(data);
       item->nbytes = nbytes;

@@ -22,6 +22,7 @@ struct TcpSetup {
   std::string bindAddress;      // IP the listener binds to; peers connect to it
   std::vector<std::string> peerAddresses;  // filled during setup (for messages)
   int64_t eagerBytes = 64 * 1024;
+  int64_t localEagerBytes = 256 * 1024;  // the eager limit for directPeers
   std::chrono::milliseconds timeout{30000};  // for connecting the mesh
   std::chrono::milliseconds connectDelay{0};  // testing only
   // Peers on this host (empty: none): their large messages are copied straight out of the
