@@ -82,6 +82,26 @@ def check_ops(fails: list[str]) -> int:
         check(torch.equal(s, xs[r]), f"scatter {numel}")
     for _ in range(3):
         dist.barrier()
+    # Floating-point sums fold each host's ranks in rank order, then the hosts in order, in
+    # float32 with one rounding for low precision: bit-exact, whichever path (leader or striped).
+    # Flat groups fold all ranks in rank order.
+    hosts = [None] * n
+    dist.all_gather_object(hosts, c10d_ext.cross_rank())
+    if os.environ.get("MYCCL_HIERARCHICAL", "1") == "0":
+        hosts = [0] * n
+    for numel in (20_000, 600_001):
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = [make(q, (numel,), dtype, 5) for q in range(n)]
+            want = None
+            for h in sorted(set(hosts)):
+                part = None
+                for q in range(n):
+                    if hosts[q] == h:
+                        part = xs[q].float() if part is None else part + xs[q].float()
+                want = part if want is None else want + part
+            t = xs[r].clone()
+            dist.all_reduce(t)
+            check(torch.equal(t, want.to(dtype)), f"all_reduce {dtype} {numel} folded per host, rounded once")
     # point-to-point across hosts: a ring
     x = make(r, (100_000,), torch.float32, 3)
     y = torch.empty(100_000)
@@ -91,7 +111,9 @@ def check_ops(fails: list[str]) -> int:
     check(torch.equal(y, make((r - 1) % n, (100_000,), torch.float32, 3)), "ring send/recv")
     st = c10d_ext.stats()
     if os.environ.get("MYCCL_HIERARCHICAL", "1") != "0":
+        # small all_reduces through one leader per host, large ones striped across local ranks
         check("all_reduce/hierarchical-shm-tcp" in st, f"hierarchical all_reduce never ran: {sorted(st)}")
+        check("all_reduce/hierarchical-striped-shm-tcp" in st, f"striped all_reduce never ran: {sorted(st)}")
     return checks
 
 

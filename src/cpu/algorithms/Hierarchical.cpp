@@ -17,6 +17,9 @@ namespace {
 constexpr uint32_t kStepLeaders = 20;
 // Scratch slots above the ones the direct algorithms use (0..3).
 constexpr int kSlotA = 8, kSlotB = 9, kSlotC = 10, kSlotD = 11, kSlotWide = 12;
+// From this size an all_reduce is striped across each host's ranks (below it the extra local
+// step costs more than the narrower cross-host messages save).
+constexpr size_t kStripeMinBytes = 256 * 1024;
 
 bool lowPrecision(DType dt) {
   return dt == DType::F16 || dt == DType::BF16;
@@ -89,6 +92,33 @@ void localScatterv(CollCtx& c, Levels& L, const void* const* ins, void* out, con
   direct::scatterv(lc, ins, out, nbytes, rootIdx);
 }
 
+void localReduceScatterv(CollCtx& c, Levels& L, const void* const* ins, void* out, const size_t* counts,
+                         const ReduceSpec& spec) {
+  if (c.shm) return shmalg::reduceScatterv(c, *c.shm, ins, out, counts, spec);
+  auto lc = c.sub(L.local, L.localIdx);
+  direct::reduceScatterv(lc, ins, out, counts, spec);
+}
+
+void localAllgatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, const size_t* nbytes) {
+  if (c.shm) return shmalg::allgatherv(c, *c.shm, in, outs, nbytes, false, 0);
+  auto lc = c.sub(L.local, L.localIdx);
+  direct::allgatherv(lc, in, outs, nbytes);
+}
+
+// The ranks that hold this rank's local index on every host, by host index; empty when the
+// hosts hold different numbers of ranks (then there is no one-to-one pairing).
+std::vector<int> counterparts(const CollCtx& c, const Levels& L) {
+  const Topology& t = *c.topo;
+  std::vector<std::vector<int>> byHost(t.crossSize);
+  for (int r = 0; r < t.size; ++r) byHost[t.hostOfRank[r]].push_back(r);  // ascending, like localRanks
+  std::vector<int> out;
+  for (auto& ranks : byHost) {
+    if (ranks.size() != L.local.size()) return {};
+    out.push_back(ranks[L.localIdx]);
+  }
+  return out;
+}
+
 void localBarrier(CollCtx& c, Levels& L) {
   if (L.local.size() == 1) return;
   if (c.shm) return shmalg::barrier(c, *c.shm);
@@ -103,18 +133,81 @@ bool applies(const CollCtx& c) {
   return c.topo && c.topo->crossSize > 1 && c.topo->crossSize < c.topo->size;
 }
 
-void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
+namespace {
+
+// Large all_reduces are striped across each host's ranks: local rank i reduces slice i on its
+// host, then reduces it with the ranks holding slice i on the other hosts (every rank's link
+// busy, each carrying 1/local_size of the bytes), then the slices are gathered locally. One
+// leader carrying everything serialises the cross-host phase on one thread and one link.
+// Sums are kept in float32 for low-precision types up to the final rounding, which happens
+// once, before the final values travel (so they cross hosts at their own width once).
+void stripedAllreduce(CollCtx& c, Levels& L, const std::vector<int>& peers, void* buf, size_t count,
+                      const ReduceSpec& spec) {
+  const int nl = static_cast<int>(L.local.size()), me = L.localIdx;
+  const bool wide = lowPrecision(spec.dtype);
+  const DType sumType = wide ? DType::F32 : spec.dtype;
+  const size_t es = dtypeSize(spec.dtype), ses = dtypeSize(sumType);
+  const char* src = static_cast<const char*>(buf);
+  if (wide) {
+    float* w = static_cast<float*>(c.scratch.get(kSlotWide, count * sizeof(float)));
+    toFloat32(spec.dtype, buf, w, count);
+    src = reinterpret_cast<const char*>(w);
+  }
+  std::vector<size_t> counts(nl), bytes(nl);
+  std::vector<const void*> ins(nl);
+  std::vector<void*> outs(nl);
+  for (size_t i = 0, o = 0; i < counts.size(); o += counts[i], ++i) {
+    counts[i] = count / nl + (i < count % nl ? 1 : 0);
+    bytes[i] = counts[i] * es;
+    ins[i] = src + o * ses;
+    outs[i] = static_cast<char*>(buf) + o * es;
+  }
+  ReduceSpec local = spec;
+  local.dtype = sumType;
+  local.divisor = 0;  // AVG divides once, in the last reduction
+  char* sliceSum = static_cast<char*>(c.scratch.get(kSlotA, counts[me] * ses));
+  localReduceScatterv(c, L, ins.data(), sliceSum, counts.data(), local);
+
+  // Across hosts: reduce-scatter the slice among the counterparts, round, all-gather.
+  const int nh = static_cast<int>(peers.size()), h = L.hostIdx;
+  std::vector<size_t> pc(nh), pbytes(nh), po(nh);
+  std::vector<const void*> xins(nh);
+  std::vector<void*> xouts(nh);
+  char* slice = static_cast<char*>(c.scratch.get(kSlotB, counts[me] * es));
+  for (size_t k = 0, o = 0; k < pc.size(); o += pc[k], ++k) {
+    pc[k] = counts[me] / nh + (k < counts[me] % nh ? 1 : 0);
+    po[k] = o;
+    pbytes[k] = pc[k] * es;
+    xins[k] = sliceSum + o * ses;
+    xouts[k] = slice + o * es;
+  }
+  auto xc = c.sub(peers, h);
+  ReduceSpec full = spec;
+  full.dtype = sumType;
+  if (wide) {
+    char* piece = static_cast<char*>(c.scratch.get(kSlotC, pc[h] * ses));
+    direct::reduceScatterv(xc, xins.data(), piece, pc.data(), full);
+    fromFloat32(spec.dtype, reinterpret_cast<const float*>(piece), xouts[h], pc[h]);
+  } else {
+    direct::reduceScatterv(xc, xins.data(), xouts[h], pc.data(), full);
+  }
+  direct::allgatherv(xc, xouts[h], xouts.data(), pbytes.data());
+  localAllgatherv(c, L, slice, outs.data(), bytes.data());
+  c.algo = c.shm ? "hierarchical-striped-shm-tcp" : "hierarchical-striped-tcp";
+}
+
+// Small all_reduces: reduce to one leader per host, all-reduce among leaders, broadcast locally.
+void leaderAllreduce(CollCtx& c, Levels& L, void* buf, size_t count, const ReduceSpec& spec) {
   if (lowPrecision(spec.dtype)) {
     // Two levels would round twice: carry float32 through both and round once at the end.
     float* wide = static_cast<float*>(c.scratch.get(kSlotWide, std::max<size_t>(count, 1) * sizeof(float)));
     toFloat32(spec.dtype, buf, wide, count);
     ReduceSpec w = spec;
     w.dtype = DType::F32;
-    hier::allreduce(c, wide, count, w);
+    leaderAllreduce(c, L, wide, count, w);
     fromFloat32(spec.dtype, wide, buf, count);
     return;
   }
-  Levels L = levels(c);
   ReduceSpec partial = spec;
   partial.divisor = 0;  // AVG divides once, after the last level
   localReduce(c, L, buf, buf, count, partial, 0);
@@ -124,6 +217,18 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   }
   localBroadcast(c, L, buf, count * dtypeSize(spec.dtype), 0);
   c.algo = c.shm ? "hierarchical-shm-tcp" : "hierarchical-tcp";
+}
+
+}  // namespace
+
+void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
+  Levels L = levels(c);
+  const size_t nl = L.local.size();
+  if (nl > 1 && count >= nl && count * dtypeSize(spec.dtype) >= kStripeMinBytes) {
+    std::vector<int> peers = counterparts(c, L);
+    if (!peers.empty()) return stripedAllreduce(c, L, peers, buf, count, spec);
+  }
+  leaderAllreduce(c, L, buf, count, spec);
 }
 
 void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
