@@ -82,6 +82,13 @@ def check_ops(fails: list[str]) -> int:
         check(torch.equal(s, xs[r]), f"scatter {numel}")
     for _ in range(3):
         dist.barrier()
+    # broadcasts large enough to be pipelined (more than MYCCL_TCP_CHUNK_BYTES, 4 MiB), from every root
+    numel = 1_500_003
+    for root in range(n):
+        want = make(root, (numel,), torch.float32, 4)
+        t = want.clone() if r == root else torch.zeros(numel)
+        dist.broadcast(t, src=root)
+        check(torch.equal(t, want), f"broadcast root {root} {numel}")
     # Floating-point sums fold each host's ranks in rank order, then the hosts in order, in
     # float32 with one rounding for low precision: bit-exact, whichever path (leader or striped).
     # Flat groups fold all ranks in rank order.
@@ -114,6 +121,7 @@ def check_ops(fails: list[str]) -> int:
         # small all_reduces through one leader per host, large ones striped across local ranks
         check("all_reduce/hierarchical-shm-tcp" in st, f"hierarchical all_reduce never ran: {sorted(st)}")
         check("all_reduce/hierarchical-striped-shm-tcp" in st, f"striped all_reduce never ran: {sorted(st)}")
+        check("broadcast/hierarchical-pipelined-shm-tcp" in st, f"pipelined broadcast never ran: {sorted(st)}")
     return checks
 
 

@@ -20,6 +20,8 @@ constexpr int kSlotA = 8, kSlotB = 9, kSlotC = 10, kSlotD = 11, kSlotWide = 12;
 // From this size an all_reduce is striped across each host's ranks (below it the extra local
 // step costs more than the narrower cross-host messages save).
 constexpr size_t kStripeMinBytes = 256 * 1024;
+// From this size a broadcast across hosts is pipelined in chunks.
+constexpr size_t kPipelineMinBytes = 1024 * 1024;
 
 bool lowPrecision(DType dt) {
   return dt == DType::F16 || dt == DType::BF16;
@@ -233,6 +235,38 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
 
 void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   Levels L = levels(c, root);
+  if (nbytes >= kPipelineMinBytes) {
+    // At least eight chunks, so the first and last (which cannot overlap) are a small part.
+    const size_t chunk = std::clamp<size_t>(nbytes / 8, 256 * 1024, std::max<size_t>(c.chunkBytes, 256 * 1024));
+    // Large: chunk by chunk, so each host's local broadcast of chunk k overlaps the transfer of
+    // the next chunks between hosts (the transport moves them while this thread copies).
+    const size_t nchunks = (nbytes + chunk - 1) / chunk;
+    char* base = static_cast<char*>(buf);
+    auto part = [&](size_t k) { return std::min(chunk, nbytes - k * chunk); };
+    std::vector<RequestPtr> recvs, sends;
+    std::vector<int> children;
+    int parent = -1;
+    auto lc = c.sub(L.leaders, L.hostIdx);
+    if (L.representative) {
+      // Binomial tree over hosts, relative to the root's host.
+      const int nh = static_cast<int>(L.leaders.size()), rootHost = c.topo->hostOfRank[root];
+      const int vr = (L.hostIdx - rootHost + nh) % nh;
+      const int low = vr ? (vr & -vr) : 1 << 30;
+      if (vr) parent = ((vr - low) + rootHost) % nh;
+      for (int b = 1; b < low && vr + b < nh; b <<= 1) children.push_back((vr + b + rootHost) % nh);
+      if (parent >= 0)
+        for (size_t k = 0; k < nchunks; ++k) recvs.push_back(lc.irecv(parent, lc.tag(kStepLeaders), base + k * chunk, part(k)));
+    }
+    const int localRoot = indexIn(L.local, L.leaders[L.hostIdx]);
+    for (size_t k = 0; k < nchunks; ++k) {
+      if (parent >= 0) recvs[k]->wait(c.deadline);
+      for (int h : children) sends.push_back(lc.isend(h, lc.tag(kStepLeaders), base + k * chunk, part(k)));
+      localBroadcast(c, L, base + k * chunk, part(k), localRoot);
+    }
+    waitAll(sends, c.deadline);
+    c.algo = c.shm ? "hierarchical-pipelined-shm-tcp" : "hierarchical-pipelined-tcp";
+    return;
+  }
   if (L.representative) {
     auto lc = c.sub(L.leaders, L.hostIdx);
     direct::broadcast(lc, buf, nbytes, c.topo->hostOfRank[root]);
