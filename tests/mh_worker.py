@@ -109,6 +109,12 @@ def check_ops(fails: list[str]) -> int:
             t = xs[r].clone()
             dist.all_reduce(t)
             check(torch.equal(t, want.to(dtype)), f"all_reduce {dtype} {numel} folded per host, rounded once")
+            # the same sums, each rank keeping its block
+            blk = numel // n
+            out = torch.empty(blk, dtype=dtype)
+            dist.reduce_scatter_tensor(out, xs[r][: blk * n].clone())
+            check(torch.equal(out, want[r * blk:(r + 1) * blk].to(dtype)),
+                  f"reduce_scatter_tensor {dtype} {numel} folded per host, rounded once")
     # point-to-point across hosts: a ring
     x = make(r, (100_000,), torch.float32, 3)
     y = torch.empty(100_000)
@@ -122,6 +128,9 @@ def check_ops(fails: list[str]) -> int:
         check("all_reduce/hierarchical-shm-tcp" in st, f"hierarchical all_reduce never ran: {sorted(st)}")
         check("all_reduce/hierarchical-striped-shm-tcp" in st, f"striped all_reduce never ran: {sorted(st)}")
         check("broadcast/hierarchical-pipelined-shm-tcp" in st, f"pipelined broadcast never ran: {sorted(st)}")
+        for op in ("reduce_scatter_tensor", "reduce_scatter"):
+            check(f"{op}/hierarchical-striped-shm-tcp" in st, f"striped {op} never ran: {sorted(st)}")
+            check(f"{op}/hierarchical-shm-tcp" in st, f"leader {op} never ran: {sorted(st)}")
     return checks
 
 

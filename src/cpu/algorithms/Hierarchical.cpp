@@ -107,18 +107,24 @@ void localAllgatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, c
   direct::allgatherv(lc, in, outs, nbytes);
 }
 
-// The ranks that hold this rank's local index on every host, by host index; empty when the
-// hosts hold different numbers of ranks (then there is no one-to-one pairing).
-std::vector<int> counterparts(const CollCtx& c, const Levels& L) {
+// stripes[i][h]: the rank with local index i on host h. Empty when the hosts hold different
+// numbers of ranks (then there is no one-to-one pairing across hosts).
+std::vector<std::vector<int>> stripes(const CollCtx& c, const Levels& L) {
   const Topology& t = *c.topo;
   std::vector<std::vector<int>> byHost(t.crossSize);
   for (int r = 0; r < t.size; ++r) byHost[t.hostOfRank[r]].push_back(r);  // ascending, like localRanks
-  std::vector<int> out;
+  std::vector<std::vector<int>> out(L.local.size());
   for (auto& ranks : byHost) {
     if (ranks.size() != L.local.size()) return {};
-    out.push_back(ranks[L.localIdx]);
+    for (size_t i = 0; i < ranks.size(); ++i) out[i].push_back(ranks[i]);
   }
   return out;
+}
+
+// The ranks that hold this rank's local index on every host, by host index (or empty).
+std::vector<int> counterparts(const CollCtx& c, const Levels& L) {
+  auto s = stripes(c, L);
+  return s.empty() ? std::vector<int>{} : s[L.localIdx];
 }
 
 void localBarrier(CollCtx& c, Levels& L) {
@@ -313,6 +319,51 @@ void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nby
   c.algo = c.shm ? "hierarchical-shm-tcp" : "hierarchical-tcp";
 }
 
+namespace {
+
+// Large reduce-scatters are striped: local rank i sums, over its host, the blocks of the ranks
+// with local index i on every host (its stripe), then reduce-scatters the stripe with the
+// ranks holding it on the other hosts, which leaves each rank with its own block. Every rank's
+// link carries 1/local_size of the host's bytes and no final local step is needed.
+void stripedReduceScatterv(CollCtx& c, Levels& L, const std::vector<std::vector<int>>& st, const void* const* ins,
+                           void* out, const size_t* counts, const ReduceSpec& spec) {
+  const int nl = static_cast<int>(st.size()), nh = static_cast<int>(st[0].size()), me = L.localIdx;
+  const size_t es = dtypeSize(spec.dtype);
+  std::vector<size_t> stripeCount(nl, 0), stripeOff(nl, 0);
+  size_t total = 0;
+  for (int i = 0; i < nl; ++i) {
+    stripeOff[i] = total;
+    for (int r : st[i]) stripeCount[i] += counts[r];
+    total += stripeCount[i];
+  }
+  // A stripe's blocks are scattered through the input: pack each stripe contiguously.
+  char* packed = static_cast<char*>(c.scratch.get(kSlotA, std::max<size_t>(total * es, 1)));
+  std::vector<const void*> localIns(nl);
+  for (int i = 0; i < nl; ++i) {
+    char* p = packed + stripeOff[i] * es;
+    localIns[i] = p;
+    for (int r : st[i]) {
+      if (counts[r]) std::memcpy(p, ins[r], counts[r] * es);
+      p += counts[r] * es;
+    }
+  }
+  char* hostSum = static_cast<char*>(c.scratch.get(kSlotB, std::max<size_t>(stripeCount[me] * es, 1)));
+  ReduceSpec partial = spec;
+  partial.divisor = 0;  // AVG divides once, across hosts
+  localReduceScatterv(c, L, localIns.data(), hostSum, stripeCount.data(), partial);
+  std::vector<const void*> xins(nh);
+  std::vector<size_t> xcounts(nh);
+  for (int h = 0, o = 0; h < nh; o += static_cast<int>(xcounts[h]), ++h) {
+    xcounts[h] = counts[st[me][h]];
+    xins[h] = hostSum + static_cast<size_t>(o) * es;
+  }
+  auto xc = c.sub(st[me], L.hostIdx);
+  direct::reduceScatterv(xc, xins.data(), out, xcounts.data(), spec);
+  c.algo = c.shm ? "hierarchical-striped-shm-tcp" : "hierarchical-striped-tcp";
+}
+
+}  // namespace
+
 void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec) {
   const Topology& t = *c.topo;
   const int n = t.size;
@@ -339,6 +390,10 @@ void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t*
   size_t total = 0;
   std::vector<size_t> off(n);
   for (int r = 0; r < n; ++r) off[r] = total, total += counts[r];
+  if (L.local.size() > 1 && total * es >= kStripeMinBytes) {
+    auto st = stripes(c, L);
+    if (!st.empty()) return stripedReduceScatterv(c, L, st, ins, out, counts, spec);
+  }
   // 1. Local reduce of the whole input to the leader (blocks packed in rank order).
   char* packed = static_cast<char*>(c.scratch.get(kSlotA, std::max<size_t>(total * es, 1)));
   for (int r = 0; r < n; ++r)
