@@ -128,7 +128,7 @@ def check_ops(fails: list[str]) -> int:
         check("all_reduce/hierarchical-shm-tcp" in st, f"hierarchical all_reduce never ran: {sorted(st)}")
         check("all_reduce/hierarchical-striped-shm-tcp" in st, f"striped all_reduce never ran: {sorted(st)}")
         check("broadcast/hierarchical-pipelined-shm-tcp" in st, f"pipelined broadcast never ran: {sorted(st)}")
-        for op in ("reduce_scatter_tensor", "reduce_scatter"):
+        for op in ("reduce_scatter_tensor", "reduce_scatter", "all_gather", "all_gather_into_tensor"):
             check(f"{op}/hierarchical-striped-shm-tcp" in st, f"striped {op} never ran: {sorted(st)}")
             check(f"{op}/hierarchical-shm-tcp" in st, f"leader {op} never ran: {sorted(st)}")
     return checks

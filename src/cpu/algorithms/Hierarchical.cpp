@@ -281,6 +281,52 @@ void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   c.algo = c.shm ? "hierarchical-shm-tcp" : "hierarchical-tcp";
 }
 
+namespace {
+
+// Large all-gathers are striped: local rank i first gathers, straight into the output, the
+// blocks of the ranks with local index i on every host (its stripe, over its own link), then
+// the host's ranks share their stripes through shared memory.
+void stripedAllgatherv(CollCtx& c, Levels& L, const std::vector<std::vector<int>>& st, const void* in,
+                       void* const* outs, const size_t* nbytes) {
+  const int nl = static_cast<int>(st.size()), me = L.localIdx;
+  std::vector<void*> xouts;
+  std::vector<size_t> xbytes;
+  for (int r : st[me]) {
+    xouts.push_back(outs[r]);
+    xbytes.push_back(nbytes[r]);
+  }
+  auto xc = c.sub(st[me], L.hostIdx);
+  direct::allgatherv(xc, in, xouts.data(), xbytes.data());
+  // A stripe's blocks are scattered through the output: share them packed, then unpack.
+  std::vector<size_t> stripeBytes(nl, 0), stripeOff(nl, 0);
+  size_t total = 0;
+  for (int i = 0; i < nl; ++i) {
+    stripeOff[i] = total;
+    for (int r : st[i]) stripeBytes[i] += nbytes[r];
+    total += stripeBytes[i];
+  }
+  char* all = static_cast<char*>(c.scratch.get(kSlotA, std::max<size_t>(total, 1)));
+  char* mine = all + stripeOff[me];
+  for (int r : st[me]) {
+    if (nbytes[r] && outs[r] != mine) std::memcpy(mine, outs[r], nbytes[r]);
+    mine += nbytes[r];
+  }
+  std::vector<void*> localOuts(nl);
+  for (int i = 0; i < nl; ++i) localOuts[i] = all + stripeOff[i];
+  localAllgatherv(c, L, all + stripeOff[me], localOuts.data(), stripeBytes.data());
+  for (int i = 0; i < nl; ++i) {
+    if (i == me) continue;
+    const char* p = all + stripeOff[i];
+    for (int r : st[i]) {
+      if (nbytes[r] && outs[r] != p) std::memcpy(outs[r], p, nbytes[r]);
+      p += nbytes[r];
+    }
+  }
+  c.algo = c.shm ? "hierarchical-striped-shm-tcp" : "hierarchical-striped-tcp";
+}
+
+}  // namespace
+
 void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes) {
   Levels L = levels(c);
   const Topology& t = *c.topo;
@@ -288,6 +334,10 @@ void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nby
   size_t total = 0;
   std::vector<size_t> off(n);
   for (int r = 0; r < n; ++r) off[r] = total, total += nbytes[r];
+  if (L.local.size() > 1 && total >= kStripeMinBytes) {
+    auto st = stripes(c, L);
+    if (!st.empty()) return stripedAllgatherv(c, L, st, in, outs, nbytes);
+  }
   // Everything is assembled, in rank order, in one buffer on the leader, then broadcast locally.
   char* all = static_cast<char*>(c.scratch.get(kSlotA, std::max<size_t>(total, 1)));
   std::vector<void*> localOuts;
