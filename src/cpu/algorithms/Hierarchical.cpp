@@ -17,8 +17,8 @@ namespace {
 constexpr uint32_t kStepLeaders = 20;
 // Scratch slots above the ones the direct algorithms use (0..3).
 constexpr int kSlotA = 8, kSlotB = 9, kSlotC = 10, kSlotD = 11, kSlotWide = 12;
-// From this size an all_reduce is striped across each host's ranks (below it the extra local
-// step costs more than the narrower cross-host messages save).
+// From this size all_reduce, reduce_scatter and all_gather are striped across each host's ranks
+// (below it the extra local step costs more than the narrower cross-host messages save).
 constexpr size_t kStripeMinBytes = 256 * 1024;
 // From this size a broadcast across hosts is pipelined in chunks.
 constexpr size_t kPipelineMinBytes = 1024 * 1024;
@@ -121,6 +121,21 @@ std::vector<std::vector<int>> stripes(const CollCtx& c, const Levels& L) {
   return out;
 }
 
+// Per stripe, the sum of its ranks' sizes (elements or bytes) and its offset when the stripes
+// are packed one after another; returns the packed total.
+size_t stripeLayout(const std::vector<std::vector<int>>& st, const size_t* perRank, std::vector<size_t>& sizes,
+                    std::vector<size_t>& offs) {
+  sizes.assign(st.size(), 0);
+  offs.assign(st.size(), 0);
+  size_t total = 0;
+  for (size_t i = 0; i < st.size(); ++i) {
+    offs[i] = total;
+    for (int r : st[i]) sizes[i] += perRank[r];
+    total += sizes[i];
+  }
+  return total;
+}
+
 // The ranks that hold this rank's local index on every host, by host index (or empty).
 std::vector<int> counterparts(const CollCtx& c, const Levels& L) {
   auto s = stripes(c, L);
@@ -178,13 +193,12 @@ void stripedAllreduce(CollCtx& c, Levels& L, const std::vector<int>& peers, void
 
   // Across hosts: reduce-scatter the slice among the counterparts, round, all-gather.
   const int nh = static_cast<int>(peers.size()), h = L.hostIdx;
-  std::vector<size_t> pc(nh), pbytes(nh), po(nh);
+  std::vector<size_t> pc(nh), pbytes(nh);
   std::vector<const void*> xins(nh);
   std::vector<void*> xouts(nh);
   char* slice = static_cast<char*>(c.scratch.get(kSlotB, counts[me] * es));
   for (size_t k = 0, o = 0; k < pc.size(); o += pc[k], ++k) {
     pc[k] = counts[me] / nh + (k < counts[me] % nh ? 1 : 0);
-    po[k] = o;
     pbytes[k] = pc[k] * es;
     xins[k] = sliceSum + o * ses;
     xouts[k] = slice + o * es;
@@ -242,10 +256,11 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
 void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   Levels L = levels(c, root);
   if (nbytes >= kPipelineMinBytes) {
-    // At least eight chunks, so the first and last (which cannot overlap) are a small part.
-    const size_t chunk = std::clamp<size_t>(nbytes / 8, 256 * 1024, std::max<size_t>(c.chunkBytes, 256 * 1024));
     // Large: chunk by chunk, so each host's local broadcast of chunk k overlaps the transfer of
-    // the next chunks between hosts (the transport moves them while this thread copies).
+    // the next chunks between hosts (the transport moves them while this thread copies). About
+    // eight chunks, so the first and last (which cannot overlap) are a small part, each between
+    // 256 KiB and the TCP chunk size.
+    const size_t chunk = std::clamp<size_t>(nbytes / 8, 256 * 1024, std::max<size_t>(c.chunkBytes, 256 * 1024));
     const size_t nchunks = (nbytes + chunk - 1) / chunk;
     char* base = static_cast<char*>(buf);
     auto part = [&](size_t k) { return std::min(chunk, nbytes - k * chunk); };
@@ -298,13 +313,8 @@ void stripedAllgatherv(CollCtx& c, Levels& L, const std::vector<std::vector<int>
   auto xc = c.sub(st[me], L.hostIdx);
   direct::allgatherv(xc, in, xouts.data(), xbytes.data());
   // A stripe's blocks are scattered through the output: share them packed, then unpack.
-  std::vector<size_t> stripeBytes(nl, 0), stripeOff(nl, 0);
-  size_t total = 0;
-  for (int i = 0; i < nl; ++i) {
-    stripeOff[i] = total;
-    for (int r : st[i]) stripeBytes[i] += nbytes[r];
-    total += stripeBytes[i];
-  }
+  std::vector<size_t> stripeBytes, stripeOff;
+  const size_t total = stripeLayout(st, nbytes, stripeBytes, stripeOff);
   char* all = static_cast<char*>(c.scratch.get(kSlotA, std::max<size_t>(total, 1)));
   char* mine = all + stripeOff[me];
   for (int r : st[me]) {
@@ -379,13 +389,8 @@ void stripedReduceScatterv(CollCtx& c, Levels& L, const std::vector<std::vector<
                            void* out, const size_t* counts, const ReduceSpec& spec) {
   const int nl = static_cast<int>(st.size()), nh = static_cast<int>(st[0].size()), me = L.localIdx;
   const size_t es = dtypeSize(spec.dtype);
-  std::vector<size_t> stripeCount(nl, 0), stripeOff(nl, 0);
-  size_t total = 0;
-  for (int i = 0; i < nl; ++i) {
-    stripeOff[i] = total;
-    for (int r : st[i]) stripeCount[i] += counts[r];
-    total += stripeCount[i];
-  }
+  std::vector<size_t> stripeCount, stripeOff;
+  const size_t total = stripeLayout(st, counts, stripeCount, stripeOff);
   // A stripe's blocks are scattered through the input: pack each stripe contiguously.
   char* packed = static_cast<char*>(c.scratch.get(kSlotA, std::max<size_t>(total * es, 1)));
   std::vector<const void*> localIns(nl);
@@ -403,9 +408,9 @@ void stripedReduceScatterv(CollCtx& c, Levels& L, const std::vector<std::vector<
   localReduceScatterv(c, L, localIns.data(), hostSum, stripeCount.data(), partial);
   std::vector<const void*> xins(nh);
   std::vector<size_t> xcounts(nh);
-  for (int h = 0, o = 0; h < nh; o += static_cast<int>(xcounts[h]), ++h) {
+  for (size_t h = 0, o = 0; h < xcounts.size(); o += xcounts[h], ++h) {
     xcounts[h] = counts[st[me][h]];
-    xins[h] = hostSum + static_cast<size_t>(o) * es;
+    xins[h] = hostSum + o * es;
   }
   auto xc = c.sub(st[me], L.hostIdx);
   direct::reduceScatterv(xc, xins.data(), out, xcounts.data(), spec);
