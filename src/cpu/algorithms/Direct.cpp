@@ -19,18 +19,6 @@ constexpr uint32_t kStepRoot = 3;
 // Reductions below this many bytes gather whole buffers instead of slicing them.
 constexpr size_t kSmallReduceBytes = 32 * 1024;
 
-// Split `count` elements into `parts` nearly equal slices; slice r = [offsets[r], +counts[r]).
-void partition(size_t count, int parts, std::vector<size_t>& offsets, std::vector<size_t>& counts) {
-  offsets.resize(parts);
-  counts.resize(parts);
-  size_t base = count / parts, extra = count % parts, off = 0;
-  for (int r = 0; r < parts; ++r) {
-    counts[r] = base + (static_cast<size_t>(r) < extra ? 1 : 0);
-    offsets[r] = off;
-    off += counts[r];
-  }
-}
-
 size_t segmentElems(const CollCtx& c, size_t esize) {
   return std::max<size_t>(1, c.chunkBytes / esize);
 }

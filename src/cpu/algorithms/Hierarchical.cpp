@@ -136,12 +136,6 @@ size_t stripeLayout(const std::vector<std::vector<int>>& st, const size_t* perRa
   return total;
 }
 
-// The ranks that hold this rank's local index on every host, by host index (or empty).
-std::vector<int> counterparts(const CollCtx& c, const Levels& L) {
-  auto s = stripes(c, L);
-  return s.empty() ? std::vector<int>{} : s[L.localIdx];
-}
-
 void localBarrier(CollCtx& c, Levels& L) {
   if (L.local.size() == 1) return;
   if (c.shm) return shmalg::barrier(c, *c.shm);
@@ -176,14 +170,14 @@ void stripedAllreduce(CollCtx& c, Levels& L, const std::vector<int>& peers, void
     toFloat32(spec.dtype, buf, w, count);
     src = reinterpret_cast<const char*>(w);
   }
-  std::vector<size_t> counts(nl), bytes(nl);
+  std::vector<size_t> offs, counts, bytes(nl);
+  partition(count, nl, offs, counts);
   std::vector<const void*> ins(nl);
   std::vector<void*> outs(nl);
-  for (size_t i = 0, o = 0; i < counts.size(); o += counts[i], ++i) {
-    counts[i] = count / nl + (i < count % nl ? 1 : 0);
+  for (int i = 0; i < nl; ++i) {
     bytes[i] = counts[i] * es;
-    ins[i] = src + o * ses;
-    outs[i] = static_cast<char*>(buf) + o * es;
+    ins[i] = src + offs[i] * ses;
+    outs[i] = static_cast<char*>(buf) + offs[i] * es;
   }
   ReduceSpec local = spec;
   local.dtype = sumType;
@@ -193,15 +187,15 @@ void stripedAllreduce(CollCtx& c, Levels& L, const std::vector<int>& peers, void
 
   // Across hosts: reduce-scatter the slice among the counterparts, round, all-gather.
   const int nh = static_cast<int>(peers.size()), h = L.hostIdx;
-  std::vector<size_t> pc(nh), pbytes(nh);
+  std::vector<size_t> po, pc, pbytes(nh);
+  partition(counts[me], nh, po, pc);
   std::vector<const void*> xins(nh);
   std::vector<void*> xouts(nh);
   char* slice = static_cast<char*>(c.scratch.get(kSlotB, counts[me] * es));
-  for (size_t k = 0, o = 0; k < pc.size(); o += pc[k], ++k) {
-    pc[k] = counts[me] / nh + (k < counts[me] % nh ? 1 : 0);
+  for (int k = 0; k < nh; ++k) {
     pbytes[k] = pc[k] * es;
-    xins[k] = sliceSum + o * ses;
-    xouts[k] = slice + o * es;
+    xins[k] = sliceSum + po[k] * ses;
+    xouts[k] = slice + po[k] * es;
   }
   auto xc = c.sub(peers, h);
   ReduceSpec full = spec;
@@ -247,8 +241,8 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   Levels L = levels(c);
   const size_t nl = L.local.size();
   if (nl > 1 && count >= nl && count * dtypeSize(spec.dtype) >= kStripeMinBytes) {
-    std::vector<int> peers = counterparts(c, L);
-    if (!peers.empty()) return stripedAllreduce(c, L, peers, buf, count, spec);
+    auto st = stripes(c, L);
+    if (!st.empty()) return stripedAllreduce(c, L, st[L.localIdx], buf, count, spec);
   }
   leaderAllreduce(c, L, buf, count, spec);
 }

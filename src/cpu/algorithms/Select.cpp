@@ -76,6 +76,17 @@ void parallelReduce(CollCtx& c, const ReduceSpec& spec, void* out, const void* c
   });
 }
 
+void partition(size_t count, int parts, std::vector<size_t>& offsets, std::vector<size_t>& counts) {
+  offsets.resize(parts);
+  counts.resize(parts);
+  size_t base = count / parts, extra = count % parts, off = 0;
+  for (int r = 0; r < parts; ++r) {
+    counts[r] = base + (static_cast<size_t>(r) < extra ? 1 : 0);
+    offsets[r] = off;
+    off += counts[r];
+  }
+}
+
 uint32_t agreementWord(const ReduceSpec& spec, size_t count) {
   uint64_t h = 0x9e3779b97f4a7c15ull;
   auto mix = [&](uint64_t v) { h = (h ^ v) * 0xff51afd7ed558ccdull; h ^= h >> 33; };

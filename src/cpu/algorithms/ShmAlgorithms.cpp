@@ -17,17 +17,6 @@ namespace {
 // a second synchronisation.
 constexpr size_t kOneStepReduceBytes = 64 * 1024;
 
-void partition(size_t count, int parts, std::vector<size_t>& offs, std::vector<size_t>& cnts) {
-  offs.resize(parts);
-  cnts.resize(parts);
-  size_t base = count / parts, extra = count % parts, off = 0;
-  for (int r = 0; r < parts; ++r) {
-    cnts[r] = base + (static_cast<size_t>(r) < extra ? 1 : 0);
-    offs[r] = off;
-    off += cnts[r];
-  }
-}
-
 uint64_t reduceArg(size_t count, const ReduceSpec& spec) {
   return (static_cast<uint64_t>(count) << 16) | (static_cast<uint64_t>(spec.dtype) << 8) |
          static_cast<uint64_t>(spec.op) | (spec.divisor ? 0x80 : 0);

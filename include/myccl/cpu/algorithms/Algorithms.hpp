@@ -83,6 +83,10 @@ struct CollCtx {
 void parallelCopy(CollCtx& c, void* dst, const void* src, size_t nbytes);
 void parallelReduce(CollCtx& c, const ReduceSpec& spec, void* out, const void* const* ins, int n, size_t count);
 
+// Split `count` elements into `parts` nearly equal slices (the first count % parts one larger);
+// slice r = [offsets[r], +counts[r]).
+void partition(size_t count, int parts, std::vector<size_t>& offsets, std::vector<size_t>& counts);
+
 // The agreement word of a reduction: equal on every rank that runs the same reduction.
 uint32_t agreementWord(const ReduceSpec& spec, size_t count);
 
