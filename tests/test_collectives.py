@@ -327,6 +327,59 @@ def body_coalesced_and_barrier(ctx, transport):
     return rep.result()
 
 
+def body_log_rounds(ctx):
+    """From 4 ranks over TCP, small all_reduces and all_gathers take Bruck's log2(n) rounds and
+    integer all_reduces of 32 KiB-1 MiB recursive halving-doubling; both must give exactly the
+    rank-order result, also when n is not a power of two (ranks sitting out, partial last round)."""
+    import c10d_ext
+
+    ctx.init(pg_options=c10d_ext.Options(transport="tcp"))
+    rep = Report(ctx)
+    n = ctx.size
+    seed = 500
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for shape in ((), (7,), (1000,), (8191,)):
+            for op in ("SUM", "AVG", "MAX", "PREMUL_SUM"):
+                seed += 1
+                xs = [make(r, shape, dtype, seed) for r in range(n)]
+                t = xs[ctx.rank].clone()
+                dist.all_reduce(t, op=redop(op, ctx.rank))
+                rep.check(same(t, reduce_all(xs, op)), f"small all_reduce {op} {dtype} {shape}")
+    for dtype, numel in ((torch.int64, 4097), (torch.int64, 5003), (torch.int32, 100_001), (torch.int8, 262_143),
+                         (torch.bool, 40_000), (torch.int64, 131_072)):
+        for op in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+            if not valid(op, dtype):
+                continue
+            seed += 1
+            xs = [make(r, (numel,), dtype, seed) for r in range(n)]
+            t = xs[ctx.rank].clone()
+            dist.all_reduce(t, op=redop(op, ctx.rank))
+            rep.check(same(t, reduce_all(xs, op)), f"all_reduce {op} {dtype} x{numel}")
+    for numel in (1, 5, 1000, 20_000):  # the last is above the Bruck limit: direct
+        xs = [make(r, (numel,), torch.float32, numel) for r in range(n)]
+        outs = [torch.empty(numel) for _ in range(n)]
+        dist.all_gather(outs, xs[ctx.rank])
+        rep.check(all(torch.equal(outs[r], xs[r]) for r in range(n)), f"all_gather x{numel}")
+        cat = torch.empty(numel * n)
+        dist.all_gather_into_tensor(cat, xs[ctx.rank])
+        rep.check(torch.equal(cat, torch.cat(xs)), f"all_gather_into_tensor x{numel}")
+    outs = [torch.empty(r + 1) for r in range(n)]  # uneven blocks
+    dist.all_gather(outs, torch.full((ctx.rank + 1,), float(ctx.rank)))
+    rep.check(all(torch.equal(outs[r], torch.full((r + 1,), float(r))) for r in range(n)), "all_gather uneven")
+    st = c10d_ext.stats()
+    for key in ("all_reduce/tcp-bruck-gather-reduce", "all_reduce/tcp-halving-doubling", "all_gather/tcp-bruck"):
+        rep.check(key in st, f"{key} never ran: {sorted(st)}")
+    return rep.result()
+
+
+@pytest.mark.parametrize("size", [5, 6])
+def test_log_round_algorithms(run, size):
+    results = run(size, body_log_rounds, timeout=240)
+    failures = [f for _, fails in results for f in fails]
+    assert sum(c for c, _ in results) > 0
+    assert not failures, "\n".join(failures[:40])
+
+
 BODIES = [body_all_reduce, body_reduce, body_broadcast, body_all_gather, body_gather_scatter,
           body_reduce_scatter, body_all_to_all, body_coalesced_and_barrier]
 

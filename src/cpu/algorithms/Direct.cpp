@@ -16,8 +16,17 @@ namespace {
 constexpr uint32_t kStepData = 1;
 constexpr uint32_t kStepGather = 2;
 constexpr uint32_t kStepRoot = 3;
+constexpr uint32_t kStepRounds = 16;  // + round number, for algorithms with log2(n) rounds
 // Reductions below this many bytes gather whole buffers instead of slicing them.
 constexpr size_t kSmallReduceBytes = 32 * 1024;
+// From this many ranks, small exchanges take log2(n) rounds (each rank sends ~log2(n) messages)
+// instead of one round in which each rank sends n - 1: per-message cost, not bytes, decides there.
+constexpr int kLogRoundsMinRanks = 4;
+// All-gathers up to this many bytes in total use Bruck's rounds (every block moves log2(n) times).
+constexpr size_t kSmallGatherBytes = 64 * 1024;
+// Exact-type all_reduces from kSmallReduceBytes up to this use recursive halving-doubling; the ring
+// takes over above (n - 1 steps of 1/n of the data beat log2(n) steps once the bytes dominate).
+constexpr size_t kRhdMaxBytes = 1u << 20;
 
 size_t segmentElems(const CollCtx& c, size_t esize) {
   return std::max<size_t>(1, c.chunkBytes / esize);
@@ -73,11 +82,94 @@ void reduceSliceFromPeers(CollCtx& c, const void* own, void* out, size_t count, 
   }
 }
 
+// Bruck's all-gather, any n: ceil(log2 n) rounds. This rank keeps the blocks it holds in rank
+// order starting at itself (block of rank (me + j) % n at rot + off[j]); in the round of distance d
+// it sends the first min(d, n - d) of them to rank me - d and receives as many, which continue its
+// run, from rank me + d. off gets n + 1 entries (off[n] = total bytes).
+void bruckGather(CollCtx& c, const void* in, const size_t* nbytes, char* rot, std::vector<size_t>& off) {
+  const int n = c.size, me = c.rank;
+  off.assign(n + 1, 0);
+  for (int j = 0; j < n; ++j) off[j + 1] = off[j] + nbytes[(me + j) % n];
+  if (nbytes[me] && rot != in) std::memcpy(rot, in, nbytes[me]);
+  uint32_t round = 0;
+  for (int d = 1; d < n; d <<= 1, ++round) {
+    const int k = std::min(d, n - d);
+    std::vector<RequestPtr> reqs;
+    reqs.push_back(c.irecv((me + d) % n, c.tag(kStepRounds + round), rot + off[d], off[d + k] - off[d]));
+    reqs.push_back(c.isend((me - d + n) % n, c.tag(kStepRounds + round), rot, off[k]));
+    waitAll(reqs, c.deadline);
+  }
+}
+
 }  // namespace
 
 namespace direct {
 
 namespace {
+
+// Recursive halving-doubling all-reduce (Rabenseifner): log2(p) halving exchanges leave each of
+// p = 2^floor(log2 n) ranks with the reduction of 1/p of the buffer, log2(p) doubling exchanges
+// spread it. The n - p extra ranks first hand their buffer to a neighbour and get the result back at
+// the end. Partial results are combined in tree order, so like the ring it runs only for types whose
+// result cannot depend on the order (integers and bool).
+void rhdAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) {
+  c.algo = "tcp-halving-doubling";
+  const int n = c.size, me = c.rank;
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  const int extra = n - p;
+  const size_t es = dtypeSize(spec.dtype);
+  char* tmp = static_cast<char*>(c.scratch.get(5, std::max<size_t>(count, 1) * es));
+  ReduceSpec partial = spec;
+  partial.divisor = 0;
+  auto exchange = [&](int peer, uint32_t step, const void* out, size_t outBytes, void* in, size_t inBytes) {
+    std::vector<RequestPtr> reqs;
+    if (in) reqs.push_back(c.irecv(peer, c.tag(step), in, inBytes));
+    if (out) reqs.push_back(c.isend(peer, c.tag(step), out, outBytes));
+    waitAll(reqs, c.deadline);
+  };
+  // Ranks 0, 2, .., 2 * extra - 2 sit out; the others are renumbered 0..p-1.
+  if (me < 2 * extra && me % 2 == 0) {
+    exchange(me + 1, kStepRounds, base, count * es, nullptr, 0);
+    exchange(me + 1, kStepRounds + 1, nullptr, 0, base, count * es);
+    return;
+  }
+  if (me < 2 * extra) {
+    exchange(me - 1, kStepRounds, nullptr, 0, tmp, count * es);
+    const void* ins[2] = {base, tmp};
+    reduceInto(p == 1 ? spec : partial, base, ins, 2, count);
+  }
+  const int vr = me < 2 * extra ? me / 2 : me - extra;
+  auto realRank = [&](int v) { return v < extra ? 2 * v + 1 : v + extra; };
+  // Halving: the window [lo, hi) this rank is responsible for shrinks by half each round.
+  std::vector<std::pair<size_t, size_t>> windows;
+  size_t lo = 0, hi = count;
+  uint32_t step = kStepRounds + 2;
+  for (int mask = p / 2; mask >= 1; mask >>= 1, ++step) {
+    const int vpeer = vr ^ mask;
+    const size_t mid = lo + (hi - lo) / 2;
+    const bool keepLow = vr < vpeer;
+    const size_t klo = keepLow ? lo : mid, khi = keepLow ? mid : hi;
+    const size_t glo = keepLow ? mid : lo, ghi = keepLow ? hi : mid;
+    exchange(realRank(vpeer), step, base + glo * es, (ghi - glo) * es, tmp, (khi - klo) * es);
+    const void* ins[2] = {base + klo * es, tmp};
+    reduceInto(mask == 1 ? spec : partial, base + klo * es, ins, 2, khi - klo);
+    windows.emplace_back(lo, hi);
+    lo = klo;
+    hi = khi;
+  }
+  // Doubling: give the peer my window, take its half of the window we shared.
+  for (int mask = 1; mask < p; mask <<= 1, ++step) {
+    const int vpeer = vr ^ mask;
+    auto [plo, phi] = windows.back();
+    windows.pop_back();
+    const size_t olo = (lo == plo) ? hi : plo, ohi = (lo == plo) ? phi : lo;
+    exchange(realRank(vpeer), step, base + lo * es, (hi - lo) * es, base + olo * es, (ohi - olo) * es);
+    lo = plo;
+    hi = phi;
+  }
+  if (me < 2 * extra) exchange(me - 1, kStepRounds + 1, base, count * es, nullptr, 0);
+}
 
 // Ring all-reduce: n-1 reduce-scatter steps and n-1 all-gather steps, each rank talking only
 // to its neighbours. Partial results travel and each slice is folded starting at a different
@@ -143,6 +235,18 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   if (n == 1) return;
   const size_t esize = dtypeSize(spec.dtype);
   const size_t nbytes = count * esize;
+  if ((nbytes <= kSmallReduceBytes || count < static_cast<size_t>(n)) && n >= kLogRoundsMinRanks) {
+    // Everyone gathers every input in log2(n) rounds, then folds them in rank order: the same
+    // result, bit for bit, as the one-round exchange below.
+    c.algo = "tcp-bruck-gather-reduce";
+    char* rot = static_cast<char*>(c.scratch.get(4, nbytes * n));
+    std::vector<size_t> sizes(n, nbytes), off;
+    bruckGather(c, buf, sizes.data(), rot, off);
+    std::vector<const void*> ins(n);
+    for (int q = 0; q < n; ++q) ins[q] = rot + off[(q - c.rank + n) % n];
+    reduceInto(spec, buf, ins.data(), n, count);
+    return;
+  }
   if (nbytes <= kSmallReduceBytes || count < static_cast<size_t>(n)) {
     c.algo = "tcp-direct-one-round";
     // One round: everyone sends everything to everyone, everyone reduces in rank order.
@@ -163,7 +267,8 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
     return;
   }
   const bool exactType = !isFloating(spec.dtype) && !isComplex(spec.dtype);
-  if (n >= 4 && exactType && nbytes >= (1u << 20)) return ringAllreduce(c, static_cast<char*>(buf), count, spec);
+  if (n >= 4 && exactType && nbytes > kRhdMaxBytes) return ringAllreduce(c, static_cast<char*>(buf), count, spec);
+  if (n >= kLogRoundsMinRanks && exactType) return rhdAllreduce(c, static_cast<char*>(buf), count, spec);
   std::vector<size_t> offs, cnts;
   partition(count, n, offs, cnts);
   char* base = static_cast<char*>(buf);
@@ -291,6 +396,19 @@ void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpe
 
 void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes) {
   c.algo = "tcp-direct";
+  size_t total = 0;
+  for (int q = 0; q < c.size; ++q) total += nbytes[q];
+  if (c.size >= kLogRoundsMinRanks && total <= kSmallGatherBytes) {
+    c.algo = "tcp-bruck";
+    char* rot = static_cast<char*>(c.scratch.get(4, std::max<size_t>(total, 1)));
+    std::vector<size_t> off;
+    bruckGather(c, in, nbytes, rot, off);
+    for (int q = 0; q < c.size; ++q) {
+      const char* src = rot + off[(q - c.rank + c.size) % c.size];
+      if (nbytes[q] && outs[q] != src) std::memcpy(outs[q], src, nbytes[q]);
+    }
+    return;
+  }
   std::vector<RequestPtr> reqs;
   for (int q = 0; q < c.size; ++q) {
     if (q == c.rank) continue;
