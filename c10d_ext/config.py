@@ -99,6 +99,10 @@ VARS: list[Var] = [
     Var("MYCCL_LOCAL_EAGER_BYTES", "local_eager_bytes", _bytes, 256 * 1024,
         "point-to-point messages to a rank on this host up to this size go through the socket at once; "
         "larger ones are copied straight out of the sender's memory once the receiver is ready"),
+    Var("MYCCL_COPY_THREADS", "copy_threads", _int(1, 16), 2,
+        "threads that copy one large message from a rank on this host (from 1 MiB); its sender is "
+        "blocked meanwhile, so a second thread runs on the core the sender leaves idle (1: the "
+        "receiving thread alone)"),
     Var("MYCCL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", _bytes, 4 * 1024 * 1024,
         "segment size for pipelined TCP algorithms"),
     Var("MYCCL_SHM_BUFFER_BYTES", "shm_buffer_bytes", _bytes, 1 << 20,

@@ -119,8 +119,10 @@ def body_direct_copies(ctx, transport):
         ws.wait()
         rep.check(torch.equal(got, payload(peer, 5, numel)), f"{numel} floats both ways")
         path = path or ("direct" if transport == "auto" else "tcp")
-        rep.check(sorted(k.split("/")[1] for k in c10d_ext.stats()) == [path, path],
-                  f"{numel} floats sent and received by {path}: {sorted(c10d_ext.stats())}")
+        # from 1 MiB the receiver copies with two threads (MYCCL_COPY_THREADS)
+        want = sorted([path, "direct-parallel" if path == "direct" and numel * 4 >= 1 << 20 else path])
+        rep.check(sorted(k.split("/")[1] for k in c10d_ext.stats()) == want,
+                  f"{numel} floats sent and received by {want}: {sorted(c10d_ext.stats())}")
     c10d_ext.reset_stats()
     # the sender's buffer is the message: a receive posted late still gets the bytes as sent
     if r == 0:
@@ -132,7 +134,21 @@ def body_direct_copies(ctx, transport):
         dist.recv(got, src=0, tag=6)
         rep.check(torch.equal(got, payload(0, 6, 1 << 20)), "late receive of 4 MB")
     st = c10d_ext.stats()
-    rep.check(any(k.endswith("/direct") for k in st) == (transport == "auto"), f"stats {sorted(st)}")
+    rep.check(any(k.split("/")[1].startswith("direct") for k in st) == (transport == "auto"), f"stats {sorted(st)}")
+    if transport == "auto":
+        # the copy split across 1 and 3 threads: odd sizes, every byte where it belongs
+        for threads, numel in [(1, 3 * 1024 * 1024 + 5), (3, 3 * 1024 * 1024 + 5), (3, (1 << 18) + 1)]:
+            g = dist.new_group(backend="myccl", pg_options=c10d_ext.Options(copy_threads=threads))
+            got = torch.empty(numel)
+            ws = dist.isend(payload(r, threads, numel), dst=peer, tag=7, group=g)
+            dist.recv(got, src=peer, tag=7, group=g)
+            ws.wait()
+            rep.check(torch.equal(got, payload(peer, threads, numel)), f"{numel} floats, {threads} copy threads")
+            split = threads > 1 and numel * 4 >= 1 << 20
+            want = sorted(["direct", "direct-parallel" if split else "direct"])
+            st = c10d_ext.stats(g)
+            rep.check(sorted(k.split("/")[1] for k in st) == want,
+                      f"{numel} floats, {threads} copy threads: {want} != {sorted(st)}")
     return rep.result()
 
 

@@ -29,6 +29,9 @@ struct Config {
   // The same for peers on this host whose large messages are copied directly (process_vm_readv):
   // below this size the socket's two copies cost less than the direct copy's three hand-offs.
   int64_t localEagerBytes = 256 * 1024;
+  // Threads that copy one large direct message (process_vm_readv); the sender waits meanwhile,
+  // so a second thread uses the core it leaves idle.
+  int copyThreads = 2;
   // Segment size for pipelined TCP algorithms.
   int64_t tcpChunkBytes = 4 * 1024 * 1024;
   // Size of each of the two shared-memory staging buffers per rank (the pipeline chunk).

@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "myccl/Config.hpp"
+#include "myccl/cpu/Parallel.hpp"
 #include "myccl/cpu/transport/Transport.hpp"
 
 namespace myccl::cpu {
@@ -23,6 +24,7 @@ struct TcpSetup {
   std::vector<std::string> peerAddresses;  // filled during setup (for messages)
   int64_t eagerBytes = 64 * 1024;
   int64_t localEagerBytes = 256 * 1024;  // the eager limit for directPeers
+  int copyThreads = 2;                   // threads per large direct copy
   std::chrono::milliseconds timeout{30000};  // for connecting the mesh
   std::chrono::milliseconds connectDelay{0};  // testing only
   // Peers on this host (empty: none): their large messages are copied straight out of the
@@ -92,6 +94,9 @@ class TcpTransport final : public Transport {
   // Direct copies running outside mu_; close() waits for them before it returns (callers free
   // buffers after close).
   int copiesInFlight_ = 0;
+  // Helpers for large direct copies, made at the first one; one copy uses them at a time.
+  std::mutex copyPoolMu_;
+  std::unique_ptr<Parallel> copyPool_;
   std::condition_variable copiesIdle_;
   uint64_t pidNs_ = 0;  // our pid namespace: a pid in an announcement means something only within one
 };
