@@ -8,13 +8,22 @@
 namespace myccl::cpu {
 
 Parallel::Parallel(int threads) {
-  for (int i = 1; i < std::max(1, threads); ++i) {
-    workers_.emplace_back([this, i] { work(i); });
-    pthread_setname_np(workers_.back().native_handle(), "myccl-helper");
+  try {
+    for (int i = 1; i < std::max(1, threads); ++i) {
+      workers_.emplace_back([this, i] { work(i); });
+      pthread_setname_np(workers_.back().native_handle(), "myccl-helper");
+    }
+  } catch (...) {
+    stopAll();  // the threads already started must not outlive a constructor that failed
+    throw;
   }
 }
 
 Parallel::~Parallel() {
+  stopAll();
+}
+
+void Parallel::stopAll() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;

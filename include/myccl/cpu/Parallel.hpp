@@ -23,6 +23,7 @@ class Parallel {
 
  private:
   void work(int idx);
+  void stopAll();
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_, doneCv_;

@@ -646,8 +646,15 @@ void TcpTransport::directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedR
   // pages as it goes); two reach memcpy's rate. The sender is blocked until the copy is done,
   // so the second thread runs on the core it leaves idle.
   std::unique_lock<std::mutex> pool(copyPoolMu_, std::defer_lock);
-  if (setup_.copyThreads > 1 && pr->nbytes >= kSplitCopyBytes && pool.try_lock()) {
-    if (!copyPool_) copyPool_ = std::make_unique<Parallel>(setup_.copyThreads);
+  if (setup_.copyThreads > 1 && pr->nbytes >= kSplitCopyBytes && pool.try_lock() && !copyPool_) {
+    try {
+      copyPool_ = std::make_unique<Parallel>(setup_.copyThreads);
+    } catch (const std::exception& e) {  // no threads to be had: copy alone, as with 1
+      logOnce("tcp-copy-threads", LogLevel::Warning, std::string("copy helpers unavailable: ") + e.what());
+      pool.unlock();
+    }
+  }
+  if (pool.owns_lock() && copyPool_) {
     std::atomic<int> first{0};
     copyPool_->run(pr->nbytes, kSplitCopyBytes / 2, [&](size_t b, size_t e) {
       int z = 0, e2 = readRange(b, e);
