@@ -137,7 +137,7 @@ void rhdAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) 
   if (me < 2 * extra) {
     exchange(me - 1, kStepRounds, nullptr, 0, tmp, count * es);
     const void* ins[2] = {base, tmp};
-    reduceInto(p == 1 ? spec : partial, base, ins, 2, count);
+    reduceInto(partial, base, ins, 2, count);  // n >= 4: a halving round follows
   }
   const int vr = me < 2 * extra ? me / 2 : me - extra;
   auto realRank = [&](int v) { return v < extra ? 2 * v + 1 : v + extra; };

@@ -662,7 +662,7 @@ void TcpTransport::directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedR
     });
     err = first.load();
     pool.unlock();
-    pr->req->setVia("direct-parallel");
+    if (err == 0) pr->req->setVia("direct-parallel");
   } else {
     err = readRange(0, pr->nbytes);
   }
