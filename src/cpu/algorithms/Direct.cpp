@@ -82,6 +82,16 @@ void reduceSliceFromPeers(CollCtx& c, const void* own, void* out, size_t count, 
   }
 }
 
+// One blocking step under one tag: receive inBytes from `from` while sending outBytes to `to`;
+// a peer of -1 skips that half.
+void sendRecv(CollCtx& c, uint32_t step, int to, const void* out, size_t outBytes, int from, void* in,
+              size_t inBytes) {
+  std::vector<RequestPtr> reqs;
+  if (from >= 0) reqs.push_back(c.irecv(from, c.tag(step), in, inBytes));
+  if (to >= 0) reqs.push_back(c.isend(to, c.tag(step), out, outBytes));
+  waitAll(reqs, c.deadline);
+}
+
 // Bruck's all-gather, any n: ceil(log2 n) rounds. This rank keeps the blocks it holds in rank
 // order starting at itself (block of rank (me + j) % n at rot + off[j]); in the round of distance d
 // it sends the first min(d, n - d) of them to rank me - d and receives as many, which continue its
@@ -94,10 +104,7 @@ void bruckGather(CollCtx& c, const void* in, const size_t* nbytes, char* rot, st
   uint32_t round = 0;
   for (int d = 1; d < n; d <<= 1, ++round) {
     const int k = std::min(d, n - d);
-    std::vector<RequestPtr> reqs;
-    reqs.push_back(c.irecv((me + d) % n, c.tag(kStepRounds + round), rot + off[d], off[d + k] - off[d]));
-    reqs.push_back(c.isend((me - d + n) % n, c.tag(kStepRounds + round), rot, off[k]));
-    waitAll(reqs, c.deadline);
+    sendRecv(c, kStepRounds + round, (me - d + n) % n, rot, off[k], (me + d) % n, rot + off[d], off[d + k] - off[d]);
   }
 }
 
@@ -122,20 +129,14 @@ void rhdAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) 
   char* tmp = static_cast<char*>(c.scratch.get(5, std::max<size_t>(count, 1) * es));
   ReduceSpec partial = spec;
   partial.divisor = 0;
-  auto exchange = [&](int peer, uint32_t step, const void* out, size_t outBytes, void* in, size_t inBytes) {
-    std::vector<RequestPtr> reqs;
-    if (in) reqs.push_back(c.irecv(peer, c.tag(step), in, inBytes));
-    if (out) reqs.push_back(c.isend(peer, c.tag(step), out, outBytes));
-    waitAll(reqs, c.deadline);
-  };
   // Ranks 0, 2, .., 2 * extra - 2 sit out; the others are renumbered 0..p-1.
   if (me < 2 * extra && me % 2 == 0) {
-    exchange(me + 1, kStepRounds, base, count * es, nullptr, 0);
-    exchange(me + 1, kStepRounds + 1, nullptr, 0, base, count * es);
+    sendRecv(c, kStepRounds, me + 1, base, count * es, -1, nullptr, 0);
+    sendRecv(c, kStepRounds + 1, -1, nullptr, 0, me + 1, base, count * es);
     return;
   }
   if (me < 2 * extra) {
-    exchange(me - 1, kStepRounds, nullptr, 0, tmp, count * es);
+    sendRecv(c, kStepRounds, -1, nullptr, 0, me - 1, tmp, count * es);
     const void* ins[2] = {base, tmp};
     reduceInto(partial, base, ins, 2, count);  // n >= 4: a halving round follows
   }
@@ -151,7 +152,8 @@ void rhdAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) 
     const bool keepLow = vr < vpeer;
     const size_t klo = keepLow ? lo : mid, khi = keepLow ? mid : hi;
     const size_t glo = keepLow ? mid : lo, ghi = keepLow ? hi : mid;
-    exchange(realRank(vpeer), step, base + glo * es, (ghi - glo) * es, tmp, (khi - klo) * es);
+    const int peer = realRank(vpeer);
+    sendRecv(c, step, peer, base + glo * es, (ghi - glo) * es, peer, tmp, (khi - klo) * es);
     const void* ins[2] = {base + klo * es, tmp};
     reduceInto(mask == 1 ? spec : partial, base + klo * es, ins, 2, khi - klo);
     windows.emplace_back(lo, hi);
@@ -164,11 +166,12 @@ void rhdAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) 
     auto [plo, phi] = windows.back();
     windows.pop_back();
     const size_t olo = (lo == plo) ? hi : plo, ohi = (lo == plo) ? phi : lo;
-    exchange(realRank(vpeer), step, base + lo * es, (hi - lo) * es, base + olo * es, (ohi - olo) * es);
+    const int peer = realRank(vpeer);
+    sendRecv(c, step, peer, base + lo * es, (hi - lo) * es, peer, base + olo * es, (ohi - olo) * es);
     lo = plo;
     hi = phi;
   }
-  if (me < 2 * extra) exchange(me - 1, kStepRounds + 1, base, count * es, nullptr, 0);
+  if (me < 2 * extra) sendRecv(c, kStepRounds + 1, me - 1, base, count * es, -1, nullptr, 0);
 }
 
 // Ring all-reduce: n-1 reduce-scatter steps and n-1 all-gather steps, each rank talking only
@@ -188,10 +191,8 @@ void ringAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec)
   char* tmp = static_cast<char*>(c.scratch.get(3, most * esize));
   for (int s = 0; s < n - 1; ++s) {
     const int sendSlice = (me - s + n) % n, recvSlice = (me - s - 1 + 2 * n) % n;
-    std::vector<RequestPtr> reqs;
-    reqs.push_back(c.irecv(left, c.tag(kStepData), tmp, cnts[recvSlice] * esize));
-    reqs.push_back(c.isend(right, c.tag(kStepData), base + offs[sendSlice] * esize, cnts[sendSlice] * esize));
-    waitAll(reqs, c.deadline);
+    sendRecv(c, kStepData, right, base + offs[sendSlice] * esize, cnts[sendSlice] * esize, left, tmp,
+             cnts[recvSlice] * esize);
     const void* ins[2] = {base + offs[recvSlice] * esize, tmp};
     ReduceSpec partial = spec;
     partial.divisor = (s == n - 2) ? spec.divisor : 0;  // AVG divides once, at the last step
@@ -199,10 +200,8 @@ void ringAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec)
   }
   for (int s = 0; s < n - 1; ++s) {
     const int sendSlice = (me + 1 - s + n) % n, recvSlice = (me - s + n) % n;
-    std::vector<RequestPtr> reqs;
-    reqs.push_back(c.irecv(left, c.tag(kStepGather), base + offs[recvSlice] * esize, cnts[recvSlice] * esize));
-    reqs.push_back(c.isend(right, c.tag(kStepGather), base + offs[sendSlice] * esize, cnts[sendSlice] * esize));
-    waitAll(reqs, c.deadline);
+    sendRecv(c, kStepGather, right, base + offs[sendSlice] * esize, cnts[sendSlice] * esize, left,
+             base + offs[recvSlice] * esize, cnts[recvSlice] * esize);
   }
 }
 
@@ -214,13 +213,9 @@ void treeBroadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   int mask = 1;
   while (mask < n) {
     if (vr < mask) {
-      if (vr + mask < n) {
-        std::vector<RequestPtr> r{c.isend((vr + mask + root) % n, c.tag(kStepData), buf, nbytes)};
-        waitAll(r, c.deadline);
-      }
+      if (vr + mask < n) sendRecv(c, kStepData, (vr + mask + root) % n, buf, nbytes, -1, nullptr, 0);
     } else if (vr < 2 * mask) {
-      std::vector<RequestPtr> r{c.irecv((vr - mask + root) % n, c.tag(kStepData), buf, nbytes)};
-      waitAll(r, c.deadline);
+      sendRecv(c, kStepData, -1, nullptr, 0, (vr - mask + root) % n, buf, nbytes);
     }
     mask <<= 1;
   }
@@ -235,7 +230,8 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   if (n == 1) return;
   const size_t esize = dtypeSize(spec.dtype);
   const size_t nbytes = count * esize;
-  if ((nbytes <= kSmallReduceBytes || count < static_cast<size_t>(n)) && n >= kLogRoundsMinRanks) {
+  const bool small = nbytes <= kSmallReduceBytes || count < static_cast<size_t>(n);
+  if (small && n >= kLogRoundsMinRanks) {
     // Everyone gathers every input in log2(n) rounds, then folds them in rank order: the same
     // result, bit for bit, as the one-round exchange below.
     c.algo = "tcp-bruck-gather-reduce";
@@ -247,7 +243,7 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
     reduceInto(spec, buf, ins.data(), n, count);
     return;
   }
-  if (nbytes <= kSmallReduceBytes || count < static_cast<size_t>(n)) {
+  if (small) {
     c.algo = "tcp-direct-one-round";
     // One round: everyone sends everything to everyone, everyone reduces in rank order.
     char* all = static_cast<char*>(c.scratch.get(1, nbytes * n));
@@ -492,14 +488,8 @@ void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, vo
 void barrier(CollCtx& c) {
   c.algo = "tcp-dissemination";
   // Dissemination: log2(n) rounds of empty messages.
-  for (int k = 1, step = 0; k < c.size; k <<= 1, ++step) {
-    std::vector<RequestPtr> reqs;
-    int to = (c.rank + k) % c.size;
-    int from = (c.rank - k + c.size) % c.size;
-    reqs.push_back(c.irecv(from, c.tag(kStepData + step), nullptr, 0));
-    reqs.push_back(c.isend(to, c.tag(kStepData + step), nullptr, 0));
-    waitAll(reqs, c.deadline);
-  }
+  for (int k = 1, step = 0; k < c.size; k <<= 1, ++step)
+    sendRecv(c, kStepData + step, (c.rank + k) % c.size, nullptr, 0, (c.rank - k + c.size) % c.size, nullptr, 0);
 }
 
 }  // namespace direct
