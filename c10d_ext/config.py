@@ -103,6 +103,10 @@ VARS: list[Var] = [
         "threads that copy one large message from a rank on this host (from 1 MiB); its sender is "
         "blocked meanwhile, so a second thread runs on the core the sender leaves idle (1: the "
         "receiving thread alone)"),
+    Var("MYCCL_SOCKETS_PER_PEER", "sockets_per_peer", _int(1, 16), 2,
+        "sockets a large TCP message (from 512 KiB) to a rank on another host is spread over, each "
+        "with its own thread, so several cores share the kernel's work for one stream (1: the one "
+        "socket); every rank must use the same value"),
     Var("MYCCL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", _bytes, 4 * 1024 * 1024,
         "segment size for pipelined TCP algorithms"),
     Var("MYCCL_SHM_BUFFER_BYTES", "shm_buffer_bytes", _bytes, 1 << 20,

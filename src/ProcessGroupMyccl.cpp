@@ -148,6 +148,7 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   setup.eagerBytes = cfg_.tcpEagerBytes;
   setup.localEagerBytes = cfg_.localEagerBytes;
   setup.copyThreads = cfg_.copyThreads;
+  setup.socketsPerPeer = cfg_.socketsPerPeer;
   setup.connectDelay = std::chrono::milliseconds(cfg_.testConnectDelayMs);
   // Ranks that all live on one host talk over loopback unless told otherwise; nothing else on
   // the network can even reach the listener then.

@@ -21,6 +21,7 @@ from harness import Report, assert_reports
 
 EAGER = 64 * 1024  # MYCCL_TCP_EAGER_BYTES
 LOCAL_EAGER = 256 * 1024  # MYCCL_LOCAL_EAGER_BYTES: peers on this host
+STRIPE = 512 * 1024  # TCP messages from this size to peers on other hosts use every socket to them
 
 
 def payload(src: int, tag: int, numel: int, dtype=torch.float32) -> torch.Tensor:
@@ -118,7 +119,8 @@ def body_direct_copies(ctx, transport):
         wr.wait()
         ws.wait()
         rep.check(torch.equal(got, payload(peer, 5, numel)), f"{numel} floats both ways")
-        path = path or ("direct" if transport == "auto" else "tcp")
+        # over TCP, messages from 512 KiB are spread over MYCCL_SOCKETS_PER_PEER (2) sockets
+        path = path or ("direct" if transport == "auto" else "tcp-striped" if numel * 4 >= STRIPE else "tcp")
         # from 1 MiB the receiver copies with two threads (MYCCL_COPY_THREADS)
         want = sorted([path, "direct-parallel" if path == "direct" and numel * 4 >= 1 << 20 else path])
         rep.check(sorted(k.split("/")[1] for k in c10d_ext.stats()) == want,
@@ -150,6 +152,60 @@ def body_direct_copies(ctx, transport):
             rep.check(sorted(k.split("/")[1] for k in st) == want,
                       f"{numel} floats, {threads} copy threads: {want} != {sorted(st)}")
     return rep.result()
+
+
+def body_striped_messages(ctx):
+    """Large TCP messages spread over several sockets per peer (MYCCL_TRANSPORT=tcp treats every
+    peer as remote): every byte lands where it belongs, whatever the number of sockets, the size
+    (just below and at the threshold, odd sizes, parts of unequal length), the direction or the
+    order in which many such messages are posted; the stats say which path each took."""
+    import c10d_ext
+
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    r, peer = ctx.rank, 1 - ctx.rank
+    for socks in [1, 2, 3]:
+        g = dist.new_group(backend="myccl", pg_options=c10d_ext.Options(transport="tcp", sockets_per_peer=socks))
+        for nbytes in [STRIPE - 1, STRIPE, 3 * 1024 * 1024 + 5, 9 * 1024 * 1024 + 4097]:
+            c10d_ext.reset_stats(g)
+            out = payload(r, socks, nbytes, torch.uint8)
+            got = torch.empty(nbytes, dtype=torch.uint8)
+            ws = dist.isend(out, dst=peer, tag=socks, group=g)  # both directions at once
+            dist.recv(got, src=peer, tag=socks, group=g)
+            ws.wait()
+            rep.check(torch.equal(got, payload(peer, socks, nbytes, torch.uint8)), f"{nbytes} bytes, {socks} sockets")
+            path = "tcp-striped" if socks > 1 and nbytes >= STRIPE else "tcp"
+            st = sorted(k.split("/")[1] for k in c10d_ext.stats(g))
+            rep.check(st == [path, path], f"{nbytes} bytes, {socks} sockets: {st}, want {path}")
+        # many messages in flight, received in the opposite order: parts of different messages
+        # share the lanes and are matched by receive, not by arrival
+        sizes = [STRIPE + k * 333_331 for k in range(12)]
+        sends = [dist.isend(payload(r, 20 + k, sizes[k], torch.uint8), dst=peer, tag=20 + k, group=g)
+                 for k in range(12)]
+        bufs = {k: torch.empty(sizes[k], dtype=torch.uint8) for k in range(12)}
+        recvs = [dist.irecv(bufs[k], src=peer, tag=20 + k, group=g) for k in reversed(range(12))]
+        for w in recvs + sends:
+            w.wait()
+        bad = [k for k in range(12) if not torch.equal(bufs[k], payload(peer, 20 + k, sizes[k], torch.uint8))]
+        rep.check(not bad, f"{socks} sockets: 12 large messages in flight, wrong: {bad}")
+        # collectives over the striped path: reduce-scatter segments and gathered slices
+        x = payload(r, 40, 3 * 1024 * 1024 + 1)
+        want = payload(0, 40, x.numel()) + payload(1, 40, x.numel())
+        dist.all_reduce(x, group=g)
+        rep.check(torch.equal(x, want), f"{socks} sockets: all_reduce of 12 MB")
+        dist.destroy_process_group(g)
+    # ranks that disagree about the number of sockets fail at once, saying what to set
+    try:
+        dist.new_group(backend="myccl", pg_options=c10d_ext.Options(transport="tcp", sockets_per_peer=2 + r))
+        err = "no error"
+    except Exception as e:  # noqa: BLE001
+        err = str(e)
+    rep.check("MYCCL_SOCKETS_PER_PEER" in err and f"rank {peer}" in err, f"mismatched sockets per peer: {err}")
+    return rep.result()
+
+
+def test_striped_messages(run):
+    assert_reports(run(2, body_striped_messages, timeout=120))
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])

@@ -487,7 +487,8 @@ def body_foreign_client(ctx):
                 store.wait(["myccl/0/tcp/addr/1"], timedelta(seconds=30))
                 addr = store.get("myccl/0/tcp/addr/1").decode()
                 host, port = addr.rsplit(":", 1)
-                for payload in (struct.pack("IIII", 0x4D59434C, 1, 0, 2) + b"x" * 32, b"GET / HTTP/1.0\r\n\r\n"):
+                hello = struct.pack("IIIIII", 0x4D59434C, 2, 0, 2, 0, 2) + b"x" * 32  # magic, version, rank,
+                for payload in (hello, b"GET / HTTP/1.0\r\n\r\n"):  # size, lane, lanes, wrong secret
                     with socket.create_connection((host, int(port)), timeout=5) as s:
                         s.sendall(payload)
                         s.settimeout(6)

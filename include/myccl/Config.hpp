@@ -32,6 +32,8 @@ struct Config {
   // Threads that copy one large direct message (process_vm_readv); the sender waits meanwhile,
   // so a second thread uses the core it leaves idle.
   int copyThreads = 2;
+  // Sockets (each with its own thread) a large message to a peer on another host is spread over.
+  int socketsPerPeer = 2;
   // Segment size for pipelined TCP algorithms.
   int64_t tcpChunkBytes = 4 * 1024 * 1024;
   // Size of each of the two shared-memory staging buffers per rank (the pipeline chunk).

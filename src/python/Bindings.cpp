@@ -319,6 +319,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("tcp_eager_bytes", &myccl::Config::tcpEagerBytes)
       .def_readwrite("local_eager_bytes", &myccl::Config::localEagerBytes)
       .def_readwrite("copy_threads", &myccl::Config::copyThreads)
+      .def_readwrite("sockets_per_peer", &myccl::Config::socketsPerPeer)
       .def_readwrite("tcp_chunk_bytes", &myccl::Config::tcpChunkBytes)
       .def_readwrite("spin_us", &myccl::Config::spinUs)
       .def_readwrite("shm_buffer_bytes", &myccl::Config::shmBufferBytes)

@@ -11,6 +11,10 @@
 // may have reused its buffer never confirms, so a receive never completes with bytes read
 // from a buffer that was no longer the message. Where the kernel refuses (ptrace policy,
 // other pid namespace) the transfer falls back to the socket.
+// Between hosts, a message from kStripeMinBytes is cut into one contiguous part per lane: extra
+// data sockets to that peer, each read and written by its own thread (one TCP stream is bound
+// to about one core's worth of kernel work). The handshake stays on the control socket; the
+// receive completes when every lane has delivered its part.
 #include <pthread.h>
 #include "myccl/cpu/transport/Tcp.hpp"
 
@@ -39,7 +43,7 @@ namespace {
 
 constexpr uint32_t kMagic = 0x4d5943u;  // "MYC"
 constexpr uint32_t kHelloMagic = 0x4d59434cu;
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kTokenBytes = 32;
 
 enum Kind : uint32_t {
@@ -51,7 +55,19 @@ enum Kind : uint32_t {
   kGoodbye = 6,
   kDirectDone = 7,  // receiver -> sender: copied your message (id: send id, tag: receive id)
   kDirectAck = 8,   // sender -> receiver: the send was still live throughout (id: receive id)
+  kStripe = 9,      // on a lane: one part of a message (id: receive id, tag: part, addr: offset)
 };
+
+// Messages from this size to a peer with lanes are spread over them; each part starts on a
+// page boundary of the message.
+constexpr size_t kStripeMinBytes = 512 * 1024;
+
+std::pair<size_t, size_t> stripeRange(size_t nbytes, int parts, int part) {
+  size_t piece = (nbytes + parts - 1) / parts;
+  piece = (piece + 4095) / 4096 * 4096;
+  const size_t off = std::min(nbytes, piece * static_cast<size_t>(part));
+  return {off, std::min(piece, nbytes - off)};
+}
 constexpr size_t kMaxGoodbye = 4096;
 
 struct Hello {
@@ -59,13 +75,22 @@ struct Hello {
   uint32_t version;
   uint32_t rank;
   uint32_t size;
+  uint32_t lane;   // 0: the control socket, 1..lanes: a data lane
+  uint32_t lanes;  // the sender's lanes per remote peer (must match)
   char token[kTokenBytes];
 };
 
 struct HelloAck {
   uint32_t magic;
   uint32_t rank;
+  uint32_t lanes;
 };
+
+std::string lanesMismatch(int peer, uint32_t theirs, int mine) {
+  return "rank " + std::to_string(peer) + " spreads large messages over " + std::to_string(std::max(1u, theirs)) +
+         " sockets per peer and this rank over " + std::to_string(std::max(1, mine)) +
+         ": set MYCCL_SOCKETS_PER_PEER to the same value on every rank";
+}
 
 std::string errnoStr(int err) {
   return std::string(strerror(err));
@@ -253,6 +278,49 @@ struct TcpTransport::Peer {
   std::string goodbye;
 };
 
+// One message spread over the lanes; each lane moves one contiguous part of it.
+struct TcpTransport::Stripes {
+  RequestPtr req;
+  char* data = nullptr;  // the receive's destination, or the send's source
+  size_t nbytes = 0;
+  std::atomic<int> left{0};  // parts not yet fully moved
+};
+
+struct TcpTransport::Part {
+  Frame hdr{};
+  size_t hdrOff = 0;
+  size_t off = 0, len = 0, moved = 0;
+  std::shared_ptr<Stripes> st;
+};
+
+struct TcpTransport::Lane {
+  int index = 0;
+  // Held by the lane's thread while it works (its system calls read and write user buffers),
+  // and taken after mu_ when both are needed, never the other way round: once peerFailedLocked
+  // has dropped a peer's parts under it, no lane touches that peer's buffers again.
+  std::mutex mu;
+  // New work, handed over under a lock held only for a push: the epoll thread (holding mu_)
+  // must never wait for a lane's system call.
+  std::mutex intakeMu;
+  std::vector<std::pair<int, Part>> newParts;  // (peer, part to send)
+  std::vector<std::tuple<int, uint64_t, std::shared_ptr<Stripes>>> newRecvs;  // (peer, receive id, message)
+  int epfd = -1;
+  int wakeFd = -1;
+  std::thread thread;
+  struct Conn {
+    int fd = -1;
+    std::deque<Part> out;
+    bool wantOut = false;
+    std::unordered_map<uint64_t, std::shared_ptr<Stripes>> expected;  // receive id -> message
+    Frame hdr{};
+    size_t hdrGot = 0;
+    std::shared_ptr<Stripes> in;  // the message whose part is being read
+    uint64_t inId = 0;
+    size_t inOff = 0, inLen = 0, inGot = 0;
+  };
+  std::vector<Conn> conns;  // by peer
+};
+
 TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, TcpSetup setup,
                            const std::string& token)
     : setup_(std::move(setup)) {
@@ -267,6 +335,14 @@ TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, Tcp
     // A direct copy takes three messages through sleeping threads (announce, done, ack): for
     // a peer on this host the socket's extra copy is cheaper up to a few hundred KiB.
     p.eagerBytes = p.direct ? std::max(setup_.eagerBytes, setup_.localEagerBytes) : setup_.eagerBytes;
+  }
+  laneCount_ = setup_.socketsPerPeer >= 2 ? setup_.socketsPerPeer : 0;
+  bool anyRemote = false;
+  for (int r = 0; r < setup_.size; ++r) anyRemote |= hasLanes(r);
+  for (int j = 0; anyRemote && j < laneCount_; ++j) {
+    lanes_.push_back(std::make_unique<Lane>());
+    lanes_.back()->index = j;
+    lanes_.back()->conns.resize(setup_.size);
   }
   connectMesh(store, keyPrefix, token);
   epfd_ = epoll_create1(EPOLL_CLOEXEC);
@@ -288,6 +364,38 @@ TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, Tcp
   }
   io_ = std::thread([this] { ioLoop(); });
   pthread_setname_np(io_.native_handle(), "myccl-tcp-io");
+  for (auto& lanePtr : lanes_) {
+    Lane& lane = *lanePtr;
+    lane.epfd = epoll_create1(EPOLL_CLOEXEC);
+    lane.wakeFd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    MYCCL_CHECK(lane.epfd >= 0 && lane.wakeFd >= 0, "tcp transport: lane epoll/eventfd: ", errnoStr(errno));
+    epoll_event wev{};
+    wev.events = EPOLLIN;
+    wev.data.u32 = UINT32_MAX;
+    epoll_ctl(lane.epfd, EPOLL_CTL_ADD, lane.wakeFd, &wev);
+    for (int r = 0; r < setup_.size; ++r) {
+      const int fd = lane.conns[r].fd;
+      if (fd < 0) continue;
+      setNonBlocking(fd, true);
+      setNoDelay(fd);
+      epoll_event pev{};
+      pev.events = EPOLLIN;
+      pev.data.u32 = static_cast<uint32_t>(r);
+      epoll_ctl(lane.epfd, EPOLL_CTL_ADD, fd, &pev);
+    }
+    lane.thread = std::thread([this, &lane] { laneLoop(lane); });
+    const std::string name = "myccl-tcp-ln" + std::to_string(lane.index);
+    pthread_setname_np(lane.thread.native_handle(), name.c_str());
+  }
+}
+
+bool TcpTransport::hasLanes(int peer) const {
+  if (laneCount_ == 0 || peer == setup_.rank) return false;
+  return !(peer < static_cast<int>(setup_.directPeers.size()) && setup_.directPeers[peer]);
+}
+
+bool TcpTransport::striped(int peer, size_t nbytes) const {
+  return nbytes >= kStripeMinBytes && hasLanes(peer) && !lanes_.empty();
 }
 
 TcpTransport::~TcpTransport() {
@@ -323,11 +431,18 @@ void TcpTransport::connectMesh(c10d::Store& store, const std::string& keyPrefix,
   setup_.peerAddresses[rank] = myAddr;
   store.set(keyPrefix + "addr/" + std::to_string(rank), std::vector<uint8_t>(myAddr.begin(), myAddr.end()));
 
+  // The socket for (peer, lane): lane 0 is the control socket, 1..laneCount_ the data lanes.
+  auto slot = [&](int peer, uint32_t lane) -> int& {
+    return lane == 0 ? peers_[peer]->fd : lanes_[lane - 1]->conns[peer].fd;
+  };
+  auto socketsTo = [&](int peer) { return 1 + (hasLanes(peer) && !lanes_.empty() ? laneCount_ : 0); };
+
   // Accept from lower ranks on a helper thread while this thread connects to higher ranks,
   // so the mesh forms in one round instead of a chain.
   std::string acceptError;
   std::thread acceptor([&] {
-    int needed = rank;
+    int needed = 0;
+    for (int r = 0; r < rank; ++r) needed += socketsTo(r);
     while (needed > 0) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) break;
@@ -346,12 +461,15 @@ void TcpTransport::connectMesh(c10d::Store& store, const std::string& keyPrefix,
       if (!ok) {
         why = "no complete hello within 5 s";
       } else if (h.magic != kHelloMagic || h.version != kVersion) {
-        why = "not a myccl peer (bad magic/version)";
+        why = "not a myccl peer of this version (bad magic/version)";
       } else if (static_cast<int>(h.size) != size || static_cast<int>(h.rank) >= rank) {
         why = "claims rank " + std::to_string(h.rank) + " of " + std::to_string(h.size);
       } else if (!constantTimeEqual(h.token, token.data(), kTokenBytes)) {
         why = "wrong group secret";
-      } else if (peers_[h.rank]->fd >= 0) {
+      } else if (h.lanes == static_cast<uint32_t>(laneCount_) &&
+                 h.lane >= static_cast<uint32_t>(socketsTo(static_cast<int>(h.rank)))) {
+        why = "claims lane " + std::to_string(h.lane) + " of rank " + std::to_string(h.rank);
+      } else if (h.lanes == static_cast<uint32_t>(laneCount_) && slot(static_cast<int>(h.rank), h.lane) >= 0) {
         why = "duplicate connection for rank " + std::to_string(h.rank);
       }
       if (!why.empty()) {
@@ -360,20 +478,28 @@ void TcpTransport::connectMesh(c10d::Store& store, const std::string& keyPrefix,
         log(LogLevel::Warning, "rank " + std::to_string(rank) + " rejected a connection from " + fromStr + ": " + why);
         continue;
       }
-      HelloAck ack{kHelloMagic, static_cast<uint32_t>(rank)};
+      HelloAck ack{kHelloMagic, static_cast<uint32_t>(rank), static_cast<uint32_t>(laneCount_)};
       if (!ioFull(fd, &ack, sizeof(ack), true, deadline)) {
         ::close(fd);
         continue;
       }
-      peers_[h.rank]->fd = fd;
-      peers_[h.rank]->addr = fromStr;
+      if (h.lanes != static_cast<uint32_t>(laneCount_)) {  // a genuine peer, configured differently
+        ::close(fd);
+        acceptError = lanesMismatch(static_cast<int>(h.rank), h.lanes, laneCount_);
+        return;
+      }
+      slot(static_cast<int>(h.rank), h.lane) = fd;
+      if (h.lane == 0) peers_[h.rank]->addr = fromStr;
       --needed;
     }
     if (needed > 0) {
       std::ostringstream os;
       os << "ranks";
-      for (int r = 0; r < rank; ++r)
-        if (peers_[r]->fd < 0) os << " " << r;
+      for (int r = 0; r < rank; ++r) {
+        bool all = true;
+        for (int l = 0; l < socketsTo(r); ++l) all &= slot(r, l) >= 0;
+        if (!all) os << " " << r;
+      }
       os << " never connected";
       acceptError = os.str();
     }
@@ -397,35 +523,43 @@ void TcpTransport::connectMesh(c10d::Store& store, const std::string& keyPrefix,
       connectError = "rank " + std::to_string(peer) + " published a bad address '" + addr + "'";
       break;
     }
-    int lastErr = 0;
-    int fd = -1;
-    auto backoff = std::chrono::milliseconds(10);
-    while (Clock::now() < deadline) {
-      fd = ::socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&sa), salen) == 0) break;
-      lastErr = errno;
-      if (fd >= 0) ::close(fd);
-      fd = -1;
-      std::this_thread::sleep_for(backoff);
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+    for (int lane = 0; lane < socketsTo(peer) && connectError.empty(); ++lane) {
+      int lastErr = 0;
+      int fd = -1;
+      auto backoff = std::chrono::milliseconds(10);
+      while (Clock::now() < deadline) {
+        fd = ::socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&sa), salen) == 0) break;
+        lastErr = errno;
+        if (fd >= 0) ::close(fd);
+        fd = -1;
+        std::this_thread::sleep_for(backoff);
+        backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+      }
+      if (fd < 0) {
+        connectError = "cannot connect to rank " + std::to_string(peer) + " at " + addr + ": " +
+                       errnoStr(lastErr ? lastErr : ETIMEDOUT) +
+                       " (is the address reachable from this host? set MYCCL_SOCKET_IFNAME)";
+        break;
+      }
+      Hello h{kHelloMagic, kVersion, static_cast<uint32_t>(rank), static_cast<uint32_t>(size),
+              static_cast<uint32_t>(lane), static_cast<uint32_t>(laneCount_), {}};
+      std::memcpy(h.token, token.data(), kTokenBytes);
+      HelloAck ack{};
+      if (!ioFull(fd, &h, sizeof(h), true, deadline) || !ioFull(fd, &ack, sizeof(ack), false, deadline) ||
+          ack.magic != kHelloMagic || static_cast<int>(ack.rank) != peer) {
+        ::close(fd);
+        connectError = "handshake with rank " + std::to_string(peer) + " at " + addr +
+                       " failed (peer closed the connection or is not part of this group)";
+        break;
+      }
+      if (ack.lanes != static_cast<uint32_t>(laneCount_)) {
+        ::close(fd);
+        connectError = lanesMismatch(peer, ack.lanes, laneCount_);
+        break;
+      }
+      slot(peer, lane) = fd;
     }
-    if (fd < 0) {
-      connectError = "cannot connect to rank " + std::to_string(peer) + " at " + addr + ": " +
-                     errnoStr(lastErr ? lastErr : ETIMEDOUT) +
-                     " (is the address reachable from this host? set MYCCL_SOCKET_IFNAME)";
-      break;
-    }
-    Hello h{kHelloMagic, kVersion, static_cast<uint32_t>(rank), static_cast<uint32_t>(size), {}};
-    std::memcpy(h.token, token.data(), kTokenBytes);
-    HelloAck ack{};
-    if (!ioFull(fd, &h, sizeof(h), true, deadline) || !ioFull(fd, &ack, sizeof(ack), false, deadline) ||
-        ack.magic != kHelloMagic || static_cast<int>(ack.rank) != peer) {
-      ::close(fd);
-      connectError = "handshake with rank " + std::to_string(peer) + " at " + addr +
-                     " failed (peer closed the connection or is not part of this group)";
-      break;
-    }
-    peers_[peer]->fd = fd;
     peers_[peer]->addr = addr;
   }
   if (!connectError.empty()) {
@@ -435,8 +569,9 @@ void TcpTransport::connectMesh(c10d::Store& store, const std::string& keyPrefix,
   acceptor.join();
   ::close(lfd);
   if (!connectError.empty() || !acceptError.empty()) {
-    for (auto& p : peers_)
-      if (p->fd >= 0) ::close(p->fd), p->fd = -1;
+    for (int r = 0; r < size; ++r)
+      for (int l = 0; l < socketsTo(r); ++l)
+        if (r != rank && slot(r, l) >= 0) ::close(slot(r, l)), slot(r, l) = -1;
     throwDistError("myccl: rank " + std::to_string(rank) + " could not connect its TCP mesh within " +
                    std::to_string(setup_.timeout.count()) + " ms: " +
                    (connectError.empty() ? acceptError : connectError));
@@ -614,8 +749,297 @@ void TcpTransport::grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, 
     done.push_back([this, peer, recvId, pr, sendId, addr, pid] { directCopy(peer, recvId, pr, sendId, addr, pid); });
     return;
   }
-  p.activeRecvs.emplace(recvId, pr);
+  if (striped(peer, pr->nbytes)) {
+    stripeRecvLocked(peer, recvId, pr);
+  } else {
+    p.activeRecvs.emplace(recvId, pr);
+  }
   pushSend(peer, SendItem::control(kCts, sendId, recvId), done);
+}
+
+// Called with mu_ held: the receiver cleared a large send to a peer with lanes; each lane
+// writes its part on its own thread.
+void TcpTransport::stripeSendLocked(int peer, uint64_t recvId, const RequestPtr& req, const char* data,
+                                    size_t nbytes) {
+  auto st = std::make_shared<Stripes>();
+  st->req = req;
+  st->data = const_cast<char*>(data);  // only read on this side
+  st->nbytes = nbytes;
+  int parts = 0;
+  for (int j = 0; j < laneCount_; ++j) parts += stripeRange(nbytes, laneCount_, j).second > 0;
+  st->left.store(parts);
+  req->setVia("tcp-striped");
+  for (int j = 0; j < laneCount_; ++j) {
+    auto [off, len] = stripeRange(nbytes, laneCount_, j);
+    if (len == 0) continue;
+    Lane& lane = *lanes_[j];
+    Part part;
+    part.hdr.magicKind = kMagic << 8 | kStripe;
+    part.hdr.id = recvId;
+    part.hdr.tag = static_cast<uint64_t>(j);
+    part.hdr.addr = off;
+    part.hdr.nbytes = len;
+    part.off = off;
+    part.len = len;
+    part.st = st;
+    {
+      std::lock_guard<std::mutex> lk(lane.intakeMu);
+      lane.newParts.emplace_back(peer, std::move(part));
+    }
+    uint64_t one = 1;
+    ssize_t w = ::write(lane.wakeFd, &one, sizeof(one));
+    (void)w;
+  }
+}
+
+// Called with mu_ held, before the clear-to-send goes out: every lane learns where its part of
+// this receive belongs before the sender can start writing it.
+void TcpTransport::stripeRecvLocked(int peer, uint64_t recvId, const std::shared_ptr<PostedRecv>& pr) {
+  auto st = std::make_shared<Stripes>();
+  st->req = pr->req;
+  st->data = pr->data;
+  st->nbytes = pr->nbytes;
+  int parts = 0;
+  for (int j = 0; j < laneCount_; ++j) parts += stripeRange(pr->nbytes, laneCount_, j).second > 0;
+  st->left.store(parts);
+  pr->req->setVia("tcp-striped");
+  for (int j = 0; j < laneCount_; ++j) {
+    if (stripeRange(pr->nbytes, laneCount_, j).second == 0) continue;
+    std::lock_guard<std::mutex> lk(lanes_[j]->intakeMu);
+    lanes_[j]->newRecvs.emplace_back(peer, recvId, st);
+  }
+}
+
+// Moves work handed over by the epoll thread into the lane's own queues. lane.mu held.
+void TcpTransport::takeIntake(Lane& lane) {
+  std::lock_guard<std::mutex> ik(lane.intakeMu);
+  for (auto& [peer, part] : lane.newParts) lane.conns[peer].out.push_back(std::move(part));
+  for (auto& [peer, recvId, st] : lane.newRecvs) lane.conns[peer].expected.emplace(recvId, std::move(st));
+  lane.newParts.clear();
+  lane.newRecvs.clear();
+}
+
+void TcpTransport::laneLoop(Lane& lane) {
+  constexpr int kMaxEvents = 64;
+  epoll_event events[kMaxEvents];
+  std::vector<std::function<void()>> done;
+  while (!stopping_.load(std::memory_order_acquire)) {
+    int n = epoll_wait(lane.epfd, events, kMaxEvents, 1000);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      const uint32_t id = events[i].data.u32;
+      std::vector<std::pair<int, std::string>> broken;  // (peer, why), reported outside lane.mu
+      {
+        std::lock_guard<std::mutex> lk(lane.mu);
+        if (id == UINT32_MAX) {  // parts were queued: drain the wake-up before taking them, so
+          uint64_t v;            // parts pushed later wake this lane again
+          while (::read(lane.wakeFd, &v, sizeof(v)) > 0) {
+          }
+        }
+        takeIntake(lane);
+        std::string why;
+        if (id == UINT32_MAX) {
+          for (int peer = 0; peer < setup_.size; ++peer) {
+            laneFlush(lane, peer, done, why);
+            if (!why.empty()) broken.emplace_back(peer, std::move(why)), why.clear();
+          }
+        } else {
+          const int peer = static_cast<int>(id);
+          if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) laneRead(lane, peer, done, why);
+          if (why.empty() && (events[i].events & EPOLLOUT)) laneFlush(lane, peer, done, why);
+          if (!why.empty()) broken.emplace_back(peer, std::move(why));
+        }
+      }
+      for (auto& [peer, why] : broken) laneBroken(peer, why);
+    }
+    for (auto& f : done) f();
+    done.clear();
+  }
+}
+
+// Writes this lane's parts for `peer` as far as the socket takes them without blocking.
+// lane.mu held.
+void TcpTransport::laneFlush(Lane& lane, int peer, std::vector<std::function<void()>>& done, std::string& broken) {
+  auto& c = lane.conns[peer];
+  if (c.fd < 0) return;
+  while (!c.out.empty()) {
+    Part& pt = c.out.front();
+    iovec iov[2];
+    int n = 0;
+    if (pt.hdrOff < sizeof(Frame)) {
+      iov[n].iov_base = reinterpret_cast<char*>(&pt.hdr) + pt.hdrOff;
+      iov[n].iov_len = sizeof(Frame) - pt.hdrOff;
+      ++n;
+    }
+    if (pt.moved < pt.len) {
+      iov[n].iov_base = pt.st->data + pt.off + pt.moved;
+      iov[n].iov_len = pt.len - pt.moved;
+      ++n;
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n;
+    ssize_t w = ::sendmsg(c.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      broken = "sending to rank " + std::to_string(peer) + " (" + peers_[peer]->addr + ", data socket " +
+               std::to_string(lane.index + 1) + ") failed: " + errnoStr(errno);
+      epoll_ctl(lane.epfd, EPOLL_CTL_DEL, c.fd, nullptr);
+      ::shutdown(c.fd, SHUT_RDWR);
+      return;
+    }
+    const size_t wrote = static_cast<size_t>(w);
+    const size_t h = std::min(wrote, sizeof(Frame) - pt.hdrOff);
+    pt.hdrOff += h;
+    pt.moved += wrote - h;
+    if (pt.hdrOff == sizeof(Frame) && pt.moved == pt.len) {
+      if (pt.st->left.fetch_sub(1) == 1) {
+        auto req = pt.st->req;
+        done.push_back([req, peer] { req->complete(peer); });
+      }
+      c.out.pop_front();
+    }
+  }
+  const bool want = !c.out.empty();
+  if (want != c.wantOut) {
+    c.wantOut = want;
+    epoll_event ev{};
+    ev.events = EPOLLIN | (want ? EPOLLOUT : 0);
+    ev.data.u32 = static_cast<uint32_t>(peer);
+    epoll_ctl(lane.epfd, EPOLL_CTL_MOD, c.fd, &ev);
+  }
+}
+
+// Reads parts from `peer` on this lane straight into their receives' buffers. lane.mu held.
+void TcpTransport::laneRead(Lane& lane, int peer, std::vector<std::function<void()>>& done, std::string& broken) {
+  auto& c = lane.conns[peer];
+  if (c.fd < 0) return;
+  const std::string who = "rank " + std::to_string(peer) + " (" + peers_[peer]->addr + ")";
+  auto fail = [&](std::string why) {
+    broken = std::move(why);
+    epoll_ctl(lane.epfd, EPOLL_CTL_DEL, c.fd, nullptr);
+    ::shutdown(c.fd, SHUT_RDWR);
+  };
+  for (int rounds = 0; rounds < 64; ++rounds) {
+    if (!c.in) {
+      ssize_t r = ::recv(c.fd, reinterpret_cast<char*>(&c.hdr) + c.hdrGot, sizeof(Frame) - c.hdrGot, 0);
+      if (r == 0 && c.hdrGot == 0 && c.expected.empty()) {
+        // Closed between messages: the peer left or died, and its control socket says which.
+        epoll_ctl(lane.epfd, EPOLL_CTL_DEL, c.fd, nullptr);
+        return;
+      }
+      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        fail(r == 0 ? who + " closed the connection in the middle of a message: the process exited or crashed"
+                    : "data connection to " + who + " failed: " + errnoStr(errno));
+        return;
+      }
+      if (r < 0) return;
+      c.hdrGot += static_cast<size_t>(r);
+      if (c.hdrGot < sizeof(Frame)) continue;
+      c.hdrGot = 0;
+      if ((c.hdr.magicKind >> 8) != kMagic || (c.hdr.magicKind & 0xff) != kStripe) {
+        fail("corrupt stream from " + who + " on data socket " + std::to_string(lane.index + 1));
+        return;
+      }
+      auto it = c.expected.find(c.hdr.id);
+      if (it == c.expected.end()) {  // registered after this lane last looked
+        takeIntake(lane);
+        it = c.expected.find(c.hdr.id);
+      }
+      if (it == c.expected.end()) {
+        fail("protocol error: " + who + " sent part of a message nobody is receiving");
+        return;
+      }
+      const auto range = stripeRange(it->second->nbytes, laneCount_, lane.index);
+      if (c.hdr.tag != static_cast<uint64_t>(lane.index) || c.hdr.addr != range.first ||
+          c.hdr.nbytes != range.second) {
+        fail("protocol error: " + who + " sent bytes [" + std::to_string(c.hdr.addr) + ", +" +
+             std::to_string(c.hdr.nbytes) + ") of a message on data socket " + std::to_string(lane.index + 1) +
+             ", which carries [" + std::to_string(range.first) + ", +" + std::to_string(range.second) + ")");
+        return;
+      }
+      c.in = it->second;
+      c.inId = c.hdr.id;
+      c.inOff = range.first;
+      c.inLen = range.second;
+      c.inGot = 0;
+    }
+    ssize_t r = ::recv(c.fd, c.in->data + c.inOff + c.inGot, c.inLen - c.inGot, 0);
+    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      fail(r == 0 ? who + " closed the connection in the middle of a message: the process exited or crashed"
+                  : "data connection to " + who + " failed: " + errnoStr(errno));
+      return;
+    }
+    if (r < 0) return;
+    c.inGot += static_cast<size_t>(r);
+    if (c.inGot == c.inLen) {
+      c.expected.erase(c.inId);
+      if (c.in->left.fetch_sub(1) == 1) {
+        auto req = c.in->req;
+        done.push_back([req, peer] { req->complete(peer); });
+      }
+      c.in.reset();
+    }
+  }
+}
+
+// A lane failed: the epoll thread turns it into the peer's failure (it may be reading into a
+// user buffer right now, so only it may fail that peer's requests).
+void TcpTransport::laneBroken(int peer, const std::string& why) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto& p = *peers_[peer];
+  if (p.dead || closed_) return;
+  if (p.deadReason.empty()) p.deadReason = why;
+  ::shutdown(p.fd, SHUT_RDWR);
+  wake();
+}
+
+// Called with mu_ held from peerFailedLocked: fails and forgets the peer's parts on every lane.
+void TcpTransport::dropLanesLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done) {
+  auto failSt = [&](const std::shared_ptr<Stripes>& st) {
+    if (!st) return;
+    auto req = st->req;
+    done.push_back([req, why, peer] { req->fail(CommErrorKind::PeerGone, why, peer); });
+  };
+  for (auto& lanePtr : lanes_) {
+    Lane& lane = *lanePtr;
+    std::lock_guard<std::mutex> lk(lane.mu);
+    {
+      std::lock_guard<std::mutex> ik(lane.intakeMu);
+      for (auto it = lane.newParts.begin(); it != lane.newParts.end();) {
+        if (it->first != peer) {
+          ++it;
+          continue;
+        }
+        failSt(it->second.st);
+        it = lane.newParts.erase(it);
+      }
+      for (auto it = lane.newRecvs.begin(); it != lane.newRecvs.end();) {
+        if (std::get<0>(*it) != peer) {
+          ++it;
+          continue;
+        }
+        failSt(std::get<2>(*it));
+        it = lane.newRecvs.erase(it);
+      }
+    }
+    auto& c = lane.conns[peer];
+    for (auto& pt : c.out) failSt(pt.st);
+    c.out.clear();
+    for (auto& kv : c.expected) failSt(kv.second);
+    c.expected.clear();
+    failSt(c.in);
+    c.in.reset();
+    c.hdrGot = 0;
+    if (c.fd >= 0) {
+      if (lane.epfd >= 0) epoll_ctl(lane.epfd, EPOLL_CTL_DEL, c.fd, nullptr);
+      ::shutdown(c.fd, SHUT_RDWR);
+    }
+  }
 }
 
 // Direct copies from this size on are split across MYCCL_COPY_THREADS threads.
@@ -962,6 +1386,10 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
       done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
       return;
     }
+    if (striped(peer, pending.nbytes)) {
+      stripeSendLocked(peer, f.tag, pending.req, pending.data, pending.nbytes);
+      return;
+    }
     auto item = std::make_unique<SendItem>();
     item->hdr.magicKind = kMagic << 8 | kData;
     item->hdr.id = f.tag;  // the receiver's id for this transfer
@@ -1101,6 +1529,7 @@ void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vecto
   p.activeRecvs.clear();
   for (auto& kv : p.directRecvs) failReq(kv.second->req);
   p.directRecvs.clear();
+  dropLanesLocked(peer, why, done);
   // Messages that arrived whole before the peer left are still good: a peer that finished
   // its part of an op and exited must not make this rank lose what it sent. Only partial
   // messages and announcements of data that can no longer come are dropped.
@@ -1165,6 +1594,20 @@ void TcpTransport::close(const std::string& reason, bool failure) {
       io_.join();
     }
   }
+  for (auto& lanePtr : lanes_) {
+    Lane& lane = *lanePtr;
+    if (lane.wakeFd >= 0) {
+      uint64_t one = 1;
+      ssize_t w = ::write(lane.wakeFd, &one, sizeof(one));
+      (void)w;
+    }
+    if (!lane.thread.joinable()) continue;
+    if (lane.thread.get_id() == std::this_thread::get_id()) {
+      lane.thread.detach();
+    } else {
+      lane.thread.join();
+    }
+  }
   std::vector<std::function<void()>> done;
   {
     std::unique_lock<std::mutex> lk(mu_);
@@ -1183,6 +1626,10 @@ void TcpTransport::close(const std::string& reason, bool failure) {
         ::close(p.fd);
         p.fd = -1;
       }
+      for (auto& lanePtr : lanes_) {
+        auto& c = lanePtr->conns[r];
+        if (c.fd >= 0) ::close(c.fd), c.fd = -1;
+      }
     }
     for (auto& pr : anyRecvs_) {
       auto req = pr->req;
@@ -1193,6 +1640,10 @@ void TcpTransport::close(const std::string& reason, bool failure) {
   for (auto& f : done) f();
   if (epfd_ >= 0) ::close(epfd_), epfd_ = -1;
   if (wakeFd_ >= 0) ::close(wakeFd_), wakeFd_ = -1;
+  for (auto& lanePtr : lanes_) {
+    if (lanePtr->epfd >= 0) ::close(lanePtr->epfd), lanePtr->epfd = -1;
+    if (lanePtr->wakeFd >= 0) ::close(lanePtr->wakeFd), lanePtr->wakeFd = -1;
+  }
 }
 
 std::string TcpTransport::describePeer(int peer) const {

@@ -1,6 +1,8 @@
 // TCP transport: one socket per peer pair, a single epoll thread that moves bytes, eager
 // sends for small messages and a ready-to-send / clear-to-send handshake for large ones, so
-// unexpected large messages never pile up in memory and never block other tags.
+// unexpected large messages never pile up in memory and never block other tags. Large messages
+// to peers on other hosts are spread over extra data sockets ("lanes"), each with its own
+// thread, so several cores drive the kernel's TCP work for one message.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -25,6 +27,10 @@ struct TcpSetup {
   int64_t eagerBytes = 64 * 1024;
   int64_t localEagerBytes = 256 * 1024;  // the eager limit for directPeers
   int copyThreads = 2;                   // threads per large direct copy
+  // Sockets a large message to a peer on another host is spread over (1: the one socket). From
+  // 2, every such peer gets that many data sockets besides the control socket, one thread per
+  // lane; every rank must use the same value.
+  int socketsPerPeer = 2;
   std::chrono::milliseconds timeout{30000};  // for connecting the mesh
   std::chrono::milliseconds connectDelay{0};  // testing only
   // Peers on this host (empty: none): their large messages are copied straight out of the
@@ -61,6 +67,9 @@ class TcpTransport final : public Transport {
   struct PostedRecv;
   struct Unexpected;
   struct Peer;
+  struct Stripes;
+  struct Part;
+  struct Lane;
 
   void connectMesh(c10d::Store& store, const std::string& keyPrefix, const std::string& token);
   void ioLoop();
@@ -78,9 +87,22 @@ class TcpTransport final : public Transport {
   void directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedRecv> pr, uint64_t sendId, uint64_t addr,
                   uint64_t pid);
   void wake();
+  // Lanes: extra data sockets to peers on other hosts (none when socketsPerPeer < 2).
+  bool hasLanes(int peer) const;
+  bool striped(int peer, size_t nbytes) const;
+  void laneLoop(Lane& lane);
+  void takeIntake(Lane& lane);
+  void laneFlush(Lane& lane, int peer, std::vector<std::function<void()>>& done, std::string& broken);
+  void laneRead(Lane& lane, int peer, std::vector<std::function<void()>>& done, std::string& broken);
+  void laneBroken(int peer, const std::string& why);
+  void stripeSendLocked(int peer, uint64_t recvId, const RequestPtr& req, const char* data, size_t nbytes);
+  void stripeRecvLocked(int peer, uint64_t recvId, const std::shared_ptr<PostedRecv>& pr);
+  void dropLanesLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done);
 
   TcpSetup setup_;
   std::vector<std::unique_ptr<Peer>> peers_;
+  int laneCount_ = 0;  // data lanes per peer on another host (0: none)
+  std::vector<std::unique_ptr<Lane>> lanes_;
   mutable std::mutex mu_;
   std::deque<std::shared_ptr<PostedRecv>> anyRecvs_;  // receive-from-any, in post order
   uint64_t nextId_ = 1;
