@@ -6,7 +6,9 @@ measured in the same run, every op x sizes.
     python benchmarks/collbench.py --world-size 2 --check --ops all_reduce --max-size 1M
 
 Per row: median time per op, algbw and busbw (nccl-tests formulas), the baseline's figures
-and the speed-up. The machine's single-core copy bandwidth is measured too, and every busbw is
+and the speed-up. Every backend has its own process group, all created up front; each row times
+them one after the other on the same tensors, and the backend that goes first changes from row
+to row, so none is favoured by running first or by where its buffers happen to lie in memory. The machine's single-core copy bandwidth is measured too, and every busbw is
 also printed as a fraction of it. Writes JSON (--out) and, if matplotlib is there, a PNG plot.
 """
 
@@ -62,6 +64,7 @@ class Case:
 
     def __init__(self, op: str, nbytes: int, rank: int, n: int, device: torch.device, alloc=None):
         self.op, self.rank, self.n = op, rank, n
+        self.group = None  # the process group the op runs on (None: the default group)
         dtype = torch.bfloat16 if op.endswith("bf16") else torch.float32
         es = torch.tensor([], dtype=dtype).element_size()
         new = alloc or (lambda numel, dt: torch.empty(numel, dtype=dt, device=device))
@@ -93,30 +96,30 @@ class Case:
             self.glist = list(self.out.split(blk)) if rank == 0 else None
 
     def __call__(self) -> None:
-        op = self.op
+        op, g = self.op, self.group
         if op.startswith("all_reduce"):
-            dist.all_reduce(self.inp)
+            dist.all_reduce(self.inp, group=g)
         elif op == "broadcast":
-            dist.broadcast(self.inp, src=0)
+            dist.broadcast(self.inp, src=0, group=g)
         elif op == "reduce":
-            dist.reduce(self.inp, dst=0)
+            dist.reduce(self.inp, dst=0, group=g)
         elif op == "all_gather":
-            dist.all_gather_into_tensor(self.out, self.inp)
+            dist.all_gather_into_tensor(self.out, self.inp, group=g)
         elif op == "reduce_scatter":
-            dist.reduce_scatter_tensor(self.out, self.inp)
+            dist.reduce_scatter_tensor(self.out, self.inp, group=g)
         elif op == "all_to_all":
-            dist.all_to_all_single(self.out, self.inp)
+            dist.all_to_all_single(self.out, self.inp, group=g)
         elif op == "gather":
-            dist.gather(self.inp, gather_list=self.glist, dst=0)
+            dist.gather(self.inp, gather_list=self.glist, dst=0, group=g)
         elif op == "scatter":
-            dist.scatter(self.out, scatter_list=self.chunks, src=0)
+            dist.scatter(self.out, scatter_list=self.chunks, src=0, group=g)
         elif op == "send_recv":
             if self.rank == 0:
-                dist.send(self.inp, 1)
+                dist.send(self.inp, 1, group=g)
             elif self.rank == 1:
-                dist.recv(self.inp, 0)
+                dist.recv(self.inp, 0, group=g)
         elif op == "barrier":
-            dist.barrier()
+            dist.barrier(group=g)
 
     def check(self) -> bool:
         """Re-initialises the inputs, runs once, compares with what the op must produce."""
@@ -166,11 +169,11 @@ def time_case(case: Case, device, trials: int, budget_s: float) -> float:
     sync(device)
     one = time.perf_counter() - t0
     est = torch.tensor([one], dtype=torch.float64)
-    dist.all_reduce(est, op=dist.ReduceOp.MAX)  # every rank must run the same number of ops
+    dist.all_reduce(est, op=dist.ReduceOp.MAX, group=case.group)  # every rank must run the same number of ops
     iters = int(max(1, min(2000, budget_s / trials / max(est.item(), 1e-7))))
     times = []
     for _ in range(trials):
-        dist.barrier()
+        dist.barrier(group=case.group)
         sync(device)
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -205,6 +208,10 @@ def _flat_options():
 BACKEND_VARIANTS = {
     "myccl-flat": ("myccl", _flat_options),  # across hosts: every rank over TCP, no per-host level
     "myccl-tcp": ("myccl", lambda: __import__("c10d_ext").Options(transport="tcp")),
+    # one socket per peer (MYCCL_SOCKETS_PER_PEER=1): large messages between hosts not striped
+    "myccl-1sock": ("myccl", lambda: __import__("c10d_ext").Options(sockets_per_peer=1)),
+    "myccl-flat-1sock": ("myccl", lambda: __import__("c10d_ext").Options(hierarchical=False, sockets_per_peer=1)),
+    "myccl-2sock": ("myccl", lambda: __import__("c10d_ext").Options(sockets_per_peer=2)),
 }
 
 
@@ -227,27 +234,41 @@ def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) ->
         sizes.append(args.max_size)  # the largest size always gets a row
     rows = []
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    groups, kinds = {}, {}
+    timeout = timedelta(seconds=300)
     for bi, label in enumerate(args.backends):
         backend, pg_options = BACKEND_VARIANTS.get(label, (label, None))
         if callable(pg_options):
             pg_options = pg_options()
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{ports[bi]}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=300), pg_options=pg_options)
-        for op in args.ops:
-            if op == "send_recv" and world < 2:
-                continue
-            op_sizes = [0] if op == "barrier" else sizes
-            for nbytes in op_sizes:
-                alloc = None
-                if args.alloc == "backend" and backend == "myccl" and device_type == "cpu":
-                    be = dist.group.WORLD._get_backend(device)
-                    alloc = lambda numel, dt: be.allocate_tensor(numel, dtype=dt, device=device)  # noqa: E731
-                case = Case(op, nbytes, rank, world, device, alloc)
+        if bi == 0:
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{ports[0]}", rank=rank,
+                                    world_size=world, timeout=timeout, pg_options=pg_options)
+            groups[label] = dist.group.WORLD
+        else:
+            groups[label] = dist.new_group(backend=backend, timeout=timeout, pg_options=pg_options)
+        kinds[label] = backend
+    nb = len(args.backends)
+    for op in args.ops:
+        if op == "send_recv" and world < 2:
+            continue
+        op_sizes = [0] if op == "barrier" else sizes
+        for si, nbytes in enumerate(op_sizes):
+            shared = Case(op, nbytes, rank, world, device) if args.alloc == "torch" else None
+            for label in args.backends[si % nb:] + args.backends[:si % nb]:
+                g = groups[label]
+                case = shared
+                if case is None:  # --alloc backend: myccl's tensors come from its own allocator
+                    alloc = None
+                    if kinds[label] == "myccl" and device_type == "cpu":
+                        be = g._get_backend(device)
+                        alloc = lambda numel, dt, be=be: be.allocate_tensor(numel, dtype=dt, device=device)  # noqa: E731
+                    case = Case(op, nbytes, rank, world, device, alloc)
+                case.group = g
                 t = time_case(case, device, args.trials, args.budget)
                 ok = case.check() if args.check else None
                 if args.check:
-                    flag = torch.tensor([0 if ok else 1])
-                    dist.all_reduce(flag)
+                    flag = torch.tensor([0 if ok else 1], device=device)
+                    dist.all_reduce(flag, group=g)
                     ok = flag.item() == 0
                 algbw = case.nbytes / t / 1e9 if op != "barrier" else 0.0
                 rows.append({"backend": label, "op": op, "bytes": case.nbytes if op != "barrier" else 0,
@@ -255,7 +276,7 @@ def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) ->
                              "check": ok})
                 if rank == 0 and args.verbose:
                     print(f"{label:10} {op:16} {fmt_size(case.nbytes):>6} {t * 1e6:10.1f} us", flush=True)
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     if rank == 0:
         return [{"copy_gbs": copy_bw}] + rows
     return None

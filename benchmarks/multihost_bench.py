@@ -2,7 +2,7 @@
 torchrun with c10d rendezvous; hierarchical myccl vs flat myccl (every rank over TCP) vs gloo,
 in one run. Needs root (network namespaces).
 
-    sudo .venv/bin/python benchmarks/multihost_bench.py [--hosts 2] [--nproc 2] [collbench args...]
+    sudo .venv/bin/python benchmarks/multihost_bench.py [--hosts 2] [--nproc 2] [--variants V,..] [collbench args...]
 
 Extra arguments go to collbench (default: --max-size 64M --check). Writes
 bench_out/collbench_cpu_2hosts.json and its PNG.
@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--variants", default="myccl-flat",
+                    help="myccl configurations measured besides the default one (collbench --variants)")
     args, rest = ap.parse_known_args()
     ok, why = netns.available()
     if not ok:
@@ -47,7 +49,7 @@ def main() -> None:
                    "--local-addr", hosts.addrs[i]]
             if i == 0:
                 cmd += ["--rdzv-conf", "is_host=1"]
-            cmd += [os.path.join(HERE, "collbench.py"), "--variants", "myccl-flat", "--out", out] + rest
+            cmd += [os.path.join(HERE, "collbench.py"), "--variants", args.variants, "--out", out] + rest
             # gloo binds to what the hostname resolves to (loopback in a namespace): name the link
             host_env = dict(env, GLOO_SOCKET_IFNAME=hosts.devs[i])
             procs.append(hosts.popen(i, cmd, host_env, start_new_session=True,
