@@ -362,8 +362,6 @@ TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, Tcp
     pev.data.u32 = static_cast<uint32_t>(r);
     epoll_ctl(epfd_, EPOLL_CTL_ADD, p.fd, &pev);
   }
-  io_ = std::thread([this] { ioLoop(); });
-  pthread_setname_np(io_.native_handle(), "myccl-tcp-io");
   for (auto& lanePtr : lanes_) {
     Lane& lane = *lanePtr;
     lane.epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -383,9 +381,19 @@ TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, Tcp
       pev.data.u32 = static_cast<uint32_t>(r);
       epoll_ctl(lane.epfd, EPOLL_CTL_ADD, fd, &pev);
     }
-    lane.thread = std::thread([this, &lane] { laneLoop(lane); });
-    const std::string name = "myccl-tcp-ln" + std::to_string(lane.index);
-    pthread_setname_np(lane.thread.native_handle(), name.c_str());
+  }
+  try {
+    io_ = std::thread([this] { ioLoop(); });
+    pthread_setname_np(io_.native_handle(), "myccl-tcp-io");
+    for (auto& lanePtr : lanes_) {
+      Lane& lane = *lanePtr;
+      lane.thread = std::thread([this, &lane] { laneLoop(lane); });
+      const std::string name = "myccl-tcp-ln" + std::to_string(lane.index);
+      pthread_setname_np(lane.thread.native_handle(), name.c_str());
+    }
+  } catch (const std::exception& e) {  // no threads to be had: stop those that started, tell peers
+    close(std::string("could not start the TCP transport's threads: ") + e.what(), true);
+    throw;
   }
 }
 
