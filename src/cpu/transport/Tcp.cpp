@@ -62,6 +62,32 @@ enum Kind : uint32_t {
 // page boundary of the message.
 constexpr size_t kStripeMinBytes = 512 * 1024;
 
+// Writes what is left of a frame (header, then payload) without blocking and advances both
+// offsets. Returns false with errno set when the socket failed; EAGAIN is not a failure.
+bool writeFrameSome(int fd, char* hdr, size_t& hdrOff, size_t hdrLen, const char* payload, size_t len,
+                    size_t& off) {
+  for (;;) {
+    iovec iov[2];
+    int n = 0;
+    if (hdrOff < hdrLen) iov[n++] = {hdr + hdrOff, hdrLen - hdrOff};
+    if (off < len) iov[n++] = {const_cast<char*>(payload + off), len - off};
+    if (n == 0) return true;
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n;
+    ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return errno == EAGAIN || errno == EWOULDBLOCK;
+    }
+    const size_t wrote = static_cast<size_t>(w);
+    const size_t h = std::min(wrote, hdrLen - hdrOff);
+    hdrOff += h;
+    off += wrote - h;
+    if (wrote == 0) return true;
+  }
+}
+
 std::pair<size_t, size_t> stripeRange(size_t nbytes, int parts, int part) {
   size_t piece = (nbytes + parts - 1) / parts;
   piece = (piece + 4095) / 4096 * 4096;
@@ -875,42 +901,20 @@ void TcpTransport::laneFlush(Lane& lane, int peer, std::vector<std::function<voi
   if (c.fd < 0) return;
   while (!c.out.empty()) {
     Part& pt = c.out.front();
-    iovec iov[2];
-    int n = 0;
-    if (pt.hdrOff < sizeof(Frame)) {
-      iov[n].iov_base = reinterpret_cast<char*>(&pt.hdr) + pt.hdrOff;
-      iov[n].iov_len = sizeof(Frame) - pt.hdrOff;
-      ++n;
-    }
-    if (pt.moved < pt.len) {
-      iov[n].iov_base = pt.st->data + pt.off + pt.moved;
-      iov[n].iov_len = pt.len - pt.moved;
-      ++n;
-    }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = n;
-    ssize_t w = ::sendmsg(c.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+    if (!writeFrameSome(c.fd, reinterpret_cast<char*>(&pt.hdr), pt.hdrOff, sizeof(Frame), pt.st->data + pt.off,
+                        pt.len, pt.moved)) {
       broken = "sending to rank " + std::to_string(peer) + " (" + peers_[peer]->addr + ", data socket " +
                std::to_string(lane.index + 1) + ") failed: " + errnoStr(errno);
       epoll_ctl(lane.epfd, EPOLL_CTL_DEL, c.fd, nullptr);
       ::shutdown(c.fd, SHUT_RDWR);
       return;
     }
-    const size_t wrote = static_cast<size_t>(w);
-    const size_t h = std::min(wrote, sizeof(Frame) - pt.hdrOff);
-    pt.hdrOff += h;
-    pt.moved += wrote - h;
-    if (pt.hdrOff == sizeof(Frame) && pt.moved == pt.len) {
-      if (pt.st->left.fetch_sub(1) == 1) {
-        auto req = pt.st->req;
-        done.push_back([req, peer] { req->complete(peer); });
-      }
-      c.out.pop_front();
+    if (pt.hdrOff < sizeof(Frame) || pt.moved < pt.len) break;  // the socket is full
+    if (pt.st->left.fetch_sub(1) == 1) {
+      auto req = pt.st->req;
+      done.push_back([req, peer] { req->complete(peer); });
     }
+    c.out.pop_front();
   }
   const bool want = !c.out.empty();
   if (want != c.wantOut) {
@@ -932,6 +936,13 @@ void TcpTransport::laneRead(Lane& lane, int peer, std::vector<std::function<void
     epoll_ctl(lane.epfd, EPOLL_CTL_DEL, c.fd, nullptr);
     ::shutdown(c.fd, SHUT_RDWR);
   };
+  // recv() returned r: true (after failing the lane) if the link is gone.
+  auto lost = [&](ssize_t r) {
+    if (r > 0 || (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))) return false;
+    fail(r == 0 ? who + " closed the connection in the middle of a message: the process exited or crashed"
+                : "data connection to " + who + " failed: " + errnoStr(errno));
+    return true;
+  };
   for (int rounds = 0; rounds < 64; ++rounds) {
     if (!c.in) {
       ssize_t r = ::recv(c.fd, reinterpret_cast<char*>(&c.hdr) + c.hdrGot, sizeof(Frame) - c.hdrGot, 0);
@@ -940,12 +951,7 @@ void TcpTransport::laneRead(Lane& lane, int peer, std::vector<std::function<void
         epoll_ctl(lane.epfd, EPOLL_CTL_DEL, c.fd, nullptr);
         return;
       }
-      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-        fail(r == 0 ? who + " closed the connection in the middle of a message: the process exited or crashed"
-                    : "data connection to " + who + " failed: " + errnoStr(errno));
-        return;
-      }
-      if (r < 0) return;
+      if (lost(r) || r < 0) return;
       c.hdrGot += static_cast<size_t>(r);
       if (c.hdrGot < sizeof(Frame)) continue;
       c.hdrGot = 0;
@@ -977,12 +983,7 @@ void TcpTransport::laneRead(Lane& lane, int peer, std::vector<std::function<void
       c.inGot = 0;
     }
     ssize_t r = ::recv(c.fd, c.in->data + c.inOff + c.inGot, c.inLen - c.inGot, 0);
-    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-      fail(r == 0 ? who + " closed the connection in the middle of a message: the process exited or crashed"
-                  : "data connection to " + who + " failed: " + errnoStr(errno));
-      return;
-    }
-    if (r < 0) return;
+    if (lost(r) || r < 0) return;
     c.inGot += static_cast<size_t>(r);
     if (c.inGot == c.inLen) {
       c.expected.erase(c.inId);
@@ -1139,45 +1140,21 @@ void TcpTransport::flushLocked(int peer, std::vector<std::function<void()>>& don
   auto& p = *peers_[peer];
   while (!p.sendq.empty() && !p.dead) {
     SendItem& it = *p.sendq.front();
-    iovec iov[2];
-    int n = 0;
-    if (it.hdrOff < sizeof(Frame)) {
-      iov[n].iov_base = reinterpret_cast<char*>(&it.hdr) + it.hdrOff;
-      iov[n].iov_len = sizeof(Frame) - it.hdrOff;
-      ++n;
+    if (!writeFrameSome(p.fd, reinterpret_cast<char*>(&it.hdr), it.hdrOff, sizeof(Frame), it.data, it.nbytes,
+                        it.off)) {
+      // Failure handling belongs to the epoll thread (it may be reading into a user buffer
+      // right now); make it notice.
+      p.deadReason = "sending to rank " + std::to_string(peer) + " (" + p.addr + ") failed: " + errnoStr(errno);
+      ::shutdown(p.fd, SHUT_RDWR);
+      wake();
+      break;
     }
-    if (it.off < it.nbytes) {
-      iov[n].iov_base = const_cast<char*>(it.data + it.off);
-      iov[n].iov_len = it.nbytes - it.off;
-      ++n;
+    if (it.hdrOff < sizeof(Frame) || it.off < it.nbytes) break;  // the socket is full
+    if (it.req) {
+      auto req = it.req;
+      done.push_back([req, peer] { req->complete(peer); });
     }
-    if (n > 0) {
-      msghdr msg{};
-      msg.msg_iov = iov;
-      msg.msg_iovlen = n;
-      ssize_t w = ::sendmsg(p.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-        // Failure handling belongs to the epoll thread (it may be reading into a user
-        // buffer right now); make it notice.
-        p.deadReason = "sending to rank " + std::to_string(peer) + " (" + p.addr + ") failed: " + errnoStr(errno);
-        ::shutdown(p.fd, SHUT_RDWR);
-        wake();
-        break;
-      }
-      size_t wrote = static_cast<size_t>(w);
-      size_t h = std::min(wrote, sizeof(Frame) - it.hdrOff);
-      it.hdrOff += h;
-      it.off += wrote - h;
-    }
-    if (it.hdrOff == sizeof(Frame) && it.off == it.nbytes) {
-      if (it.req) {
-        auto req = it.req;
-        done.push_back([req, peer] { req->complete(peer); });
-      }
-      p.sendq.pop_front();
-    }
+    p.sendq.pop_front();
   }
   const bool want = !p.sendq.empty() && !p.dead;
   if (want != p.wantOut) {
