@@ -793,16 +793,27 @@ void TcpTransport::grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, 
 
 // Called with mu_ held: the receiver cleared a large send to a peer with lanes; each lane
 // writes its part on its own thread.
-void TcpTransport::stripeSendLocked(int peer, uint64_t recvId, const RequestPtr& req, const char* data,
-                                    size_t nbytes) {
+std::shared_ptr<TcpTransport::Stripes> TcpTransport::newStripes(const RequestPtr& req, char* data, size_t nbytes) {
   auto st = std::make_shared<Stripes>();
   st->req = req;
-  st->data = const_cast<char*>(data);  // only read on this side
+  st->data = data;
   st->nbytes = nbytes;
   int parts = 0;
   for (int j = 0; j < laneCount_; ++j) parts += stripeRange(nbytes, laneCount_, j).second > 0;
   st->left.store(parts);
   req->setVia("tcp-striped");
+  return st;
+}
+
+void TcpTransport::wakeLane(Lane& lane) {
+  uint64_t one = 1;
+  ssize_t w = ::write(lane.wakeFd, &one, sizeof(one));
+  (void)w;
+}
+
+void TcpTransport::stripeSendLocked(int peer, uint64_t recvId, const RequestPtr& req, const char* data,
+                                    size_t nbytes) {
+  auto st = newStripes(req, const_cast<char*>(data), nbytes);  // only read on this side
   for (int j = 0; j < laneCount_; ++j) {
     auto [off, len] = stripeRange(nbytes, laneCount_, j);
     if (len == 0) continue;
@@ -820,23 +831,14 @@ void TcpTransport::stripeSendLocked(int peer, uint64_t recvId, const RequestPtr&
       std::lock_guard<std::mutex> lk(lane.intakeMu);
       lane.newParts.emplace_back(peer, std::move(part));
     }
-    uint64_t one = 1;
-    ssize_t w = ::write(lane.wakeFd, &one, sizeof(one));
-    (void)w;
+    wakeLane(lane);
   }
 }
 
 // Called with mu_ held, before the clear-to-send goes out: every lane learns where its part of
 // this receive belongs before the sender can start writing it.
 void TcpTransport::stripeRecvLocked(int peer, uint64_t recvId, const std::shared_ptr<PostedRecv>& pr) {
-  auto st = std::make_shared<Stripes>();
-  st->req = pr->req;
-  st->data = pr->data;
-  st->nbytes = pr->nbytes;
-  int parts = 0;
-  for (int j = 0; j < laneCount_; ++j) parts += stripeRange(pr->nbytes, laneCount_, j).second > 0;
-  st->left.store(parts);
-  pr->req->setVia("tcp-striped");
+  auto st = newStripes(pr->req, pr->data, pr->nbytes);
   for (int j = 0; j < laneCount_; ++j) {
     if (stripeRange(pr->nbytes, laneCount_, j).second == 0) continue;
     std::lock_guard<std::mutex> lk(lanes_[j]->intakeMu);
@@ -1581,11 +1583,7 @@ void TcpTransport::close(const std::string& reason, bool failure) {
   }
   for (auto& lanePtr : lanes_) {
     Lane& lane = *lanePtr;
-    if (lane.wakeFd >= 0) {
-      uint64_t one = 1;
-      ssize_t w = ::write(lane.wakeFd, &one, sizeof(one));
-      (void)w;
-    }
+    if (lane.wakeFd >= 0) wakeLane(lane);
     if (!lane.thread.joinable()) continue;
     if (lane.thread.get_id() == std::this_thread::get_id()) {
       lane.thread.detach();

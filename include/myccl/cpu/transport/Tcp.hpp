@@ -95,6 +95,8 @@ class TcpTransport final : public Transport {
   void laneFlush(Lane& lane, int peer, std::vector<std::function<void()>>& done, std::string& broken);
   void laneRead(Lane& lane, int peer, std::vector<std::function<void()>>& done, std::string& broken);
   void laneBroken(int peer, const std::string& why);
+  std::shared_ptr<Stripes> newStripes(const RequestPtr& req, char* data, size_t nbytes);
+  void wakeLane(Lane& lane);
   void stripeSendLocked(int peer, uint64_t recvId, const RequestPtr& req, const char* data, size_t nbytes);
   void stripeRecvLocked(int peer, uint64_t recvId, const std::shared_ptr<PostedRecv>& pr);
   void dropLanesLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done);
