@@ -8,8 +8,9 @@ measured in the same run, every op x sizes.
 Per row: median time per op, algbw and busbw (nccl-tests formulas), the baseline's figures
 and the speed-up. Every backend has its own process group, all created up front; each row times
 them one after the other on the same tensors, and the backend that goes first changes from row
-to row, so none is favoured by running first or by where its buffers happen to lie in memory. The machine's single-core copy bandwidth is measured too, and every busbw is
-also printed as a fraction of it. Writes JSON (--out) and, if matplotlib is there, a PNG plot.
+to row, so none is favoured by running first or by where its buffers happen to lie in memory.
+The machine's single-core copy bandwidth is measured too, and every busbw is also printed as a
+fraction of it. Writes JSON (--out) and, if matplotlib is there, a PNG plot.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ BACKEND_VARIANTS = {
 }
 
 
-def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) -> list[dict] | None:
+def run_rank(rank: int, world: int, args, port: int, device_type: str) -> list[dict] | None:
     import c10d_ext  # noqa: F401
 
     if device_type == "cuda":
@@ -241,7 +242,7 @@ def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) ->
         if callable(pg_options):
             pg_options = pg_options()
         if bi == 0:
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{ports[0]}", rank=rank,
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                                     world_size=world, timeout=timeout, pg_options=pg_options)
             groups[label] = dist.group.WORLD
         else:
@@ -282,23 +283,17 @@ def run_rank(rank: int, world: int, args, ports: list[int], device_type: str) ->
     return None
 
 
-def _spawn_entry(rank, world, args, ports, device_type, queue):
+def _spawn_entry(rank, world, args, port, device_type, queue):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    out = run_rank(rank, world, args, ports, device_type)
+    out = run_rank(rank, world, args, port, device_type)
     if rank == 0:
         queue.put(out)
 
 
-def free_ports(k: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(k):
-        s = socket.socket()
+def free_port() -> int:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+        return s.getsockname()[1]
 
 
 def report(rows: list[dict], world: int, args, baseline: str) -> dict:
@@ -370,7 +365,7 @@ def main() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         port = int(os.environ.get("MASTER_PORT", "29500"))
-        rows = run_rank(rank, world, args, [port + 1 + i for i in range(len(args.backends))], args.device)
+        rows = run_rank(rank, world, args, port + 1, args.device)
         if rank != 0:
             return
     else:
@@ -379,8 +374,8 @@ def main() -> None:
         world = args.world_size
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        ports = free_ports(len(args.backends))
-        procs = [ctx.Process(target=_spawn_entry, args=(r, world, args, ports, args.device, q)) for r in range(world)]
+        port = free_port()
+        procs = [ctx.Process(target=_spawn_entry, args=(r, world, args, port, args.device, q)) for r in range(world)]
         for p in procs:
             p.start()
         rows = None
