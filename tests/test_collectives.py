@@ -186,6 +186,13 @@ def body_all_gather(ctx, transport):
     dist.all_gather(outs, x)
     rep.check(torch.equal(base, torch.cat([make(r, (4, 3), torch.float32, 5) for r in range(n)], dim=1)),
               "all_gather into column views")
+    # input and output in the middle of larger buffers (storage offset != 0)
+    buf = torch.full((n * 4 + 6,), -1.0)
+    x = torch.arange(10.0)[2:6] + 10 * ctx.rank
+    dist.all_gather_into_tensor(buf[2:2 + n * 4], x)
+    rep.check(torch.equal(buf[2:2 + n * 4], torch.cat([torch.arange(2.0, 6.0) + 10 * r for r in range(n)])) and
+              bool((buf[:2] == -1).all()) and bool((buf[2 + n * 4:] == -1).all()),
+              "all_gather_into_tensor at a storage offset")
     # output tensor non-contiguous
     out_t = torch.zeros(3, n * 2).t()  # (n*2, 3), non-contiguous
     dist.all_gather_into_tensor(out_t, make(ctx.rank, (2, 3), torch.float32, 6))
@@ -251,6 +258,13 @@ def body_reduce_scatter(ctx, transport):
                 out2 = torch.empty(blocks[ctx.rank][0].numel(), dtype=dtype)
                 dist.reduce_scatter_tensor(out2, flat, op=redop(op, ctx.rank))
                 rep.check(same(out2, want.reshape(-1), exact(op, dtype)), f"reduce_scatter_tensor {op} {dtype} {shape_name}")
+    # input and output in the middle of larger buffers (storage offset != 0)
+    full = torch.arange(n * 3 + 4, dtype=torch.float32) * (ctx.rank + 1)
+    buf = torch.full((7,), -1.0)
+    dist.reduce_scatter_tensor(buf[2:5], full[4:])
+    wsum = sum(r + 1 for r in range(n)) * torch.arange(4.0 + 3 * ctx.rank, 4.0 + 3 * ctx.rank + 3)
+    rep.check(torch.equal(buf[2:5], wsum) and bool((buf[:2] == -1).all()) and bool((buf[5:] == -1).all()),
+              "reduce_scatter_tensor at a storage offset")
     # coalescing manager fast path
     ins = [make(ctx.rank, (n * 4,), torch.float32, 31), make(ctx.rank, (n * 3,), torch.float32, 32)]
     outs = [torch.empty(4), torch.empty(3)]
@@ -295,6 +309,14 @@ def body_all_to_all(ctx, transport):
         off = sum(split(s, d) for d in range(ctx.rank))
         want.append(xs[s][off:off + split(s, ctx.rank)])
     rep.check(torch.equal(out, torch.cat(want)), "all_to_all_single uneven splits")
+    # the same, with input and output in the middle of larger buffers (storage offset != 0):
+    # the blocks must start where the tensors start, and nothing around them may change
+    src = torch.full((xs[ctx.rank].shape[0] + 7, 3), -1.0)
+    src[3:3 + xs[ctx.rank].shape[0]] = xs[ctx.rank]
+    dst = torch.full((sum(out_splits) + 9, 3), -2.0)
+    dist.all_to_all_single(dst[5:5 + sum(out_splits)], src[3:3 + xs[ctx.rank].shape[0]], out_splits, in_splits)
+    rep.check(torch.equal(dst[5:5 + sum(out_splits)], torch.cat(want)) and bool((dst[:5] == -2).all()) and
+              bool((dst[5 + sum(out_splits):] == -2).all()), "all_to_all_single at a storage offset")
     return rep.result()
 
 
