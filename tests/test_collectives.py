@@ -186,6 +186,11 @@ def body_all_gather(ctx, transport):
     dist.all_gather(outs, x)
     rep.check(torch.equal(base, torch.cat([make(r, (4, 3), torch.float32, 5) for r in range(n)], dim=1)),
               "all_gather into column views")
+    # torch 2.14's name for the tensor form (all_gather_into_tensor is deprecated there)
+    if hasattr(dist, "all_gather_single"):
+        out = torch.empty(n, 3)
+        dist.all_gather_single(out, torch.full((3,), float(ctx.rank)))
+        rep.check(torch.equal(out, torch.stack([torch.full((3,), float(r)) for r in range(n)])), "all_gather_single")
     # input and output in the middle of larger buffers (storage offset != 0)
     buf = torch.full((n * 4 + 6,), -1.0)
     x = torch.arange(10.0)[2:6] + 10 * ctx.rank
@@ -258,6 +263,11 @@ def body_reduce_scatter(ctx, transport):
                 out2 = torch.empty(blocks[ctx.rank][0].numel(), dtype=dtype)
                 dist.reduce_scatter_tensor(out2, flat, op=redop(op, ctx.rank))
                 rep.check(same(out2, want.reshape(-1), exact(op, dtype)), f"reduce_scatter_tensor {op} {dtype} {shape_name}")
+    # torch 2.14's name for the tensor form (reduce_scatter_tensor is deprecated there)
+    if hasattr(dist, "reduce_scatter_single"):
+        out = torch.empty(2)
+        dist.reduce_scatter_single(out, torch.arange(n * 2, dtype=torch.float32) + ctx.rank, op=dist.ReduceOp.MAX)
+        rep.check(torch.equal(out, torch.arange(2.0 * ctx.rank, 2.0 * ctx.rank + 2) + n - 1), "reduce_scatter_single")
     # input and output in the middle of larger buffers (storage offset != 0)
     full = torch.arange(n * 3 + 4, dtype=torch.float32) * (ctx.rank + 1)
     buf = torch.full((7,), -1.0)
