@@ -55,6 +55,15 @@ def _bytes(s: str) -> int:
     return v
 
 
+def _stream_bytes(s: str) -> int:
+    v = s.strip().lower()
+    if v in ("auto", "-1"):
+        return -1
+    if v in ("off", "0"):
+        return 0
+    return _bytes(s)
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(s: str) -> str:
         v = s.strip().lower()
@@ -111,6 +120,9 @@ VARS: list[Var] = [
         "segment size for pipelined TCP algorithms"),
     Var("MYCCL_SHM_BUFFER_BYTES", "shm_buffer_bytes", _bytes, 1 << 20,
         "size of each of the two shared-memory staging buffers per rank (the pipeline chunk)"),
+    Var("MYCCL_STREAM_STORE_BYTES", "stream_store_bytes", _stream_bytes, -1,
+        "results of at least this many bytes are written into the caller's tensors with streaming "
+        "(cache-bypassing) stores; auto (-1): the last-level cache's size; off (0): never"),
     Var("MYCCL_SPIN_US", "spin_us", _int(-1), -1,
         "how long a waiting thread spins before sleeping, in microseconds (-1: adapt to ranks per core)"),
     Var("MYCCL_FLIGHT_RECORDER", "flight_recorder_entries", _int(0), 128,

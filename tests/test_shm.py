@@ -214,3 +214,111 @@ def body_helper_threads(ctx):
 def test_helper_threads(run):
     failures = [f for fs in run(2, body_helper_threads, timeout=180) for f in fs]
     assert not failures, failures
+
+
+def test_stream_copy_any_alignment():
+    """The streaming-store copy (large results) against memcpy's answer, for every head
+    misalignment and lengths around its 4 KiB threshold and 64-byte body loop."""
+    from c10d_ext import _C
+
+    src = torch.randint(0, 256, (70_000,), dtype=torch.uint8)
+    for soff in (0, 1, 7):
+        for doff in range(17):
+            for n in (0, 1, 15, 4095, 4096, 4097, 4096 + 63, 65_536 + 17):
+                dst = torch.full((n + doff + 40,), 0xA5, dtype=torch.uint8)
+                _C._stream_copy(dst[doff:doff + n], src[soff:soff + n])
+                assert torch.equal(dst[doff:doff + n], src[soff:soff + n]), (soff, doff, n)
+                assert bool((dst[:doff] == 0xA5).all()) and bool((dst[doff + n:] == 0xA5).all()), (soff, doff, n)
+
+
+def test_stream_copy_threshold_is_the_llc():
+    from c10d_ext import _C
+
+    v = _C._stream_copy_min_bytes()
+    assert 4 << 20 <= v <= 256 << 20
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            text = f.read().strip()
+    except OSError:
+        return
+    llc = int(text.rstrip("KM")) << {"K": 10, "M": 20}.get(text[-1], 0)
+    assert v == min(max(llc, 4 << 20), 256 << 20)
+
+
+def _framed(numel, dtype, off, guard):
+    """A tensor of `numel` elements starting `off` elements into a larger buffer filled with
+    `guard`: results land at every alignment, and writes outside them show up."""
+    buf = torch.full((numel + off + 9,), guard, dtype=dtype)
+    return buf, buf[off:off + numel]
+
+
+def _guard_intact(buf, view, guard):
+    off = view.storage_offset()
+    return bool((buf[:off] == guard).all()) and bool((buf[off + view.numel():] == guard).all())
+
+
+def body_streaming_stores(ctx):
+    """Every op whose result is written with streaming stores, forced on from 4 KiB, with
+    outputs at odd offsets and a multi-chunk pipeline: the results must be exact."""
+    import c10d_ext
+
+    ctx.init(pg_options=c10d_ext.Options(stream_store_bytes=4096, shm_buffer_bytes=64 << 10))
+    n, r = ctx.size, ctx.rank
+    failures = []
+
+    def check(ok, what):
+        if not ok:
+            failures.append(f"rank {r}: {what}")
+
+    for dtype, numel, off in [(torch.uint8, 200_003, 3), (torch.float32, 50_001, 1), (torch.float64, 30_000, 0)]:
+        g = 7 if dtype == torch.uint8 else -7.0
+        xs = [make(q, (numel,), dtype, 11) for q in range(n)]
+        buf, t = _framed(numel, dtype, off, g)
+        t.copy_(xs[r])
+        dist.broadcast(t, src=n - 1)
+        check(torch.equal(t, xs[n - 1]) and _guard_intact(buf, t, g), f"broadcast {dtype}")
+        if dtype != torch.uint8:
+            t.copy_(xs[r])
+            dist.reduce(t, dst=0)
+            if r == 0:
+                check(torch.equal(t, reduce_all(xs, "SUM")) and _guard_intact(buf, t, g), f"reduce {dtype}")
+        buf, out = _framed(numel * n, dtype, off, g)
+        dist.all_gather_into_tensor(out, xs[r])
+        check(torch.equal(out, torch.cat(xs)) and _guard_intact(buf, out, g), f"all_gather_into_tensor {dtype}")
+        framed = [_framed(numel, dtype, off, g) for _ in range(n)]
+        dist.gather(xs[r], [v for _, v in framed] if r == 0 else None, dst=0)
+        if r == 0:
+            check(all(torch.equal(v, xs[q]) and _guard_intact(b, v, g) for q, (b, v) in enumerate(framed)),
+                  f"gather {dtype}")
+        parts = [make(q, (numel,), dtype, 12) for q in range(n)]
+        buf, out = _framed(numel, dtype, off, g)
+        dist.scatter(out, parts if r == 1 else None, src=1)
+        check(torch.equal(out, parts[r]) and _guard_intact(buf, out, g), f"scatter {dtype}")
+        sends = [make(q, (numel * n,), dtype, 13) for q in range(n)]
+        buf, out = _framed(numel * n, dtype, off, g)
+        dist.all_to_all_single(out, sends[r])
+        want = torch.cat([sends[q][r * numel:(r + 1) * numel] for q in range(n)])
+        check(torch.equal(out, want) and _guard_intact(buf, out, g), f"all_to_all_single {dtype}")
+    # zero-copy paths (tensors in registered shared memory) copy out with streaming stores too
+    be = _backend()
+    xs = [make(q, (300_001,), torch.float32, 14) for q in range(n)]
+    t = be.allocate_tensor(300_001, dtype=torch.float32, device=torch.device("cpu"))
+    t.copy_(xs[r])
+    dist.all_reduce(t)
+    check(torch.equal(t, reduce_all(xs, "SUM")), "zero-copy all_reduce")
+    t.copy_(xs[r])
+    dist.broadcast(t, src=0)
+    check(torch.equal(t, xs[0]), "zero-copy broadcast")
+    out = be.allocate_tensor(300_001 * n, dtype=torch.float32, device=torch.device("cpu"))
+    dist.all_gather_into_tensor(out, t)
+    check(torch.equal(out, torch.cat([xs[0]] * n)), "zero-copy all_gather")
+    st = c10d_ext.stats()
+    for op in ("all_reduce", "broadcast", "all_gather_into_tensor"):
+        check(f"{op}/shm-zero-copy" in st, f"{op} never took the zero-copy path: {sorted(st)}")
+    return failures
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_streaming_stores(run, size):
+    failures = [f for fs in run(size, body_streaming_stores, timeout=120) for f in fs]
+    assert not failures, failures

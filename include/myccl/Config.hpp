@@ -38,6 +38,9 @@ struct Config {
   int64_t tcpChunkBytes = 4 * 1024 * 1024;
   // Size of each of the two shared-memory staging buffers per rank (the pipeline chunk).
   int64_t shmBufferBytes = 1 << 20;
+  // Results of at least this many bytes are written with streaming stores (cpu/Copy.hpp);
+  // -1 = the last-level cache's size, 0 = never.
+  int64_t streamStoreBytes = -1;
   // How long a waiting thread spins before sleeping (microseconds); -1 = adapt to cores.
   int64_t spinUs = -1;
   // CUDA: block the host in wait() and raise on timeout instead of stream-ordering.

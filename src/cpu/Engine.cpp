@@ -4,7 +4,9 @@
 // tensors and Work objects.
 #include <pthread.h>
 #include "myccl/cpu/Engine.hpp"
+
 #include "myccl/Log.hpp"
+#include "myccl/cpu/Copy.hpp"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -52,6 +54,8 @@ CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGr
     : transport_(std::move(transport)), shm_(std::move(shm)), topo_(topo), rank_(topo.rank), size_(topo.size),
       group_(std::move(group)), cfg_(cfg), recorder_(std::move(recorder)) {
   if (cfg_.numThreads > 1) par_ = std::make_unique<Parallel>(cfg_.numThreads);  // the op's own thread + helpers
+  if (cfg_.streamStoreBytes != 0)
+    streamMinBytes_ = cfg_.streamStoreBytes < 0 ? streamCopyMinBytes() : static_cast<size_t>(cfg_.streamStoreBytes);
   if (shm_) {
     // A peer that dies never posts again; its TCP link (closed by the kernel) says so at once.
     std::weak_ptr<Transport> tp = transport_;
@@ -195,6 +199,7 @@ void CpuEngine::runOp(Op& op) {
               static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get(), &topo_};
   ctx.hierarchical = cfg_.hierarchical;
   ctx.par = par_.get();
+  ctx.streamMinBytes = streamMinBytes_;
   const auto t0 = Clock::now();
   try {
     if (cfg_.debugDetail && size_ > 1) checkFingerprint(ctx, op);

@@ -10,6 +10,7 @@
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
 #include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/cpu/Copy.hpp"
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 #include "myccl/cpu/transport/Shm.hpp"
@@ -322,6 +323,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("sockets_per_peer", &myccl::Config::socketsPerPeer)
       .def_readwrite("tcp_chunk_bytes", &myccl::Config::tcpChunkBytes)
       .def_readwrite("spin_us", &myccl::Config::spinUs)
+      .def_readwrite("stream_store_bytes", &myccl::Config::streamStoreBytes)
       .def_readwrite("shm_buffer_bytes", &myccl::Config::shmBufferBytes)
       .def_readwrite("blocking_wait", &myccl::Config::blockingWait)
       .def_readwrite("avoid_record_streams", &myccl::Config::avoidRecordStreams)
@@ -451,6 +453,19 @@ PYBIND11_MODULE(_C, m) {
         myccl::cpu::reduceInto(spec, out.data_ptr(), ptrs.data(), static_cast<int>(ptrs.size()), out.numel());
       },
       py::arg("inputs"), py::arg("out"), py::arg("op"), py::arg("divisor") = 0);
+
+  // Test hook: streaming-store copy between byte tensors (any alignment), and the size from
+  // which MYCCL_STREAM_STORE_BYTES=auto uses it.
+  m.def(
+      "_stream_copy",
+      [](at::Tensor dst, const at::Tensor& src) {
+        TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes(),
+                    "need contiguous tensors of equal size");
+        py::gil_scoped_release nogil;
+        myccl::cpu::streamCopy(dst.data_ptr(), src.data_ptr(), dst.nbytes());
+      },
+      py::arg("dst"), py::arg("src"));
+  m.def("_stream_copy_min_bytes", &myccl::cpu::streamCopyMinBytes);
 
   bindReducer(m);
 }

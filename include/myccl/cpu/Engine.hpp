@@ -123,6 +123,7 @@ class CpuEngine {
   std::shared_ptr<Transport> transport_;
   std::shared_ptr<ShmGroup> shm_;
   std::unique_ptr<Parallel> par_;
+  size_t streamMinBytes_ = SIZE_MAX;  // MYCCL_STREAM_STORE_BYTES resolved (SIZE_MAX: never)
   const Topology topo_;
   const int rank_;
   const int size_;

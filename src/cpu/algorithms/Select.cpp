@@ -9,6 +9,7 @@
 #include "Hierarchical.hpp"
 #include "ShmAlgorithms.hpp"
 #include "myccl/Topology.hpp"
+#include "myccl/cpu/Copy.hpp"
 #include "myccl/cpu/Parallel.hpp"
 
 namespace myccl::cpu {
@@ -59,14 +60,20 @@ namespace {
 constexpr size_t kParallelMinBytes = 256 * 1024;  // below this a hand-off costs more than it saves
 }
 
-void parallelCopy(CollCtx& c, void* dst, const void* src, size_t nbytes) {
+void parallelCopy(CollCtx& c, void* dst, const void* src, size_t nbytes, bool stream) {
   if (!nbytes || dst == src) return;
+  auto one = [stream](void* d, const void* s, size_t n) {
+    if (stream)
+      streamCopy(d, s, n);
+    else
+      std::memcpy(d, s, n);
+  };
   if (!c.par || c.par->threads() == 1 || nbytes < 2 * kParallelMinBytes) {
-    std::memcpy(dst, src, nbytes);
+    one(dst, src, nbytes);
     return;
   }
   c.par->run(nbytes, kParallelMinBytes, [&](size_t b, size_t e) {
-    std::memcpy(static_cast<char*>(dst) + b, static_cast<const char*>(src) + b, e - b);
+    one(static_cast<char*>(dst) + b, static_cast<const char*>(src) + b, e - b);
   });
 }
 

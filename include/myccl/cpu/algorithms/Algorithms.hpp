@@ -54,6 +54,7 @@ struct CollCtx {
   const std::vector<int>* members = nullptr;  // position -> group rank; null: the whole group
   bool hierarchical = true;                   // two-level algorithms allowed across hosts
   Parallel* par = nullptr;                    // helper threads (MYCCL_NUM_THREADS > 1)
+  size_t streamMinBytes = SIZE_MAX;           // results this large: streaming stores (copyOut)
   const char* algo = "none";  // set by the algorithm that ran (stats, traces)
   size_t bytes = 0;           // payload of the op as this rank sees it (stats, traces)
 
@@ -80,7 +81,8 @@ struct CollCtx {
 };
 
 // Copies and reductions of large buffers, split across the group's helper threads if any.
-void parallelCopy(CollCtx& c, void* dst, const void* src, size_t nbytes);
+// `stream`: write with streaming stores (streamCopy), for large results in the caller's memory.
+void parallelCopy(CollCtx& c, void* dst, const void* src, size_t nbytes, bool stream = false);
 void parallelReduce(CollCtx& c, const ReduceSpec& spec, void* out, const void* const* ins, int n, size_t count);
 
 // Split `count` elements into `parts` nearly equal slices (the first count % parts one larger);
