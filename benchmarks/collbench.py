@@ -220,6 +220,8 @@ BACKEND_VARIANTS = {
     "myccl-1sock": ("myccl", lambda: __import__("c10d_ext").Options(sockets_per_peer=1)),
     "myccl-flat-1sock": ("myccl", lambda: __import__("c10d_ext").Options(hierarchical=False, sockets_per_peer=1)),
     "myccl-2sock": ("myccl", lambda: __import__("c10d_ext").Options(sockets_per_peer=2)),
+    # results written with plain memcpy at every size (MYCCL_STREAM_STORE_BYTES=off)
+    "myccl-nostream": ("myccl", lambda: __import__("c10d_ext").Options(stream_store_bytes=0)),
 }
 
 
@@ -310,10 +312,11 @@ def report(rows: list[dict], world: int, args, baseline: str) -> dict:
     print(f"\ncollbench: world size {world}, device {args.device}, baseline {baseline}"
           + (f", one-core copy {copy_bw:.2f} GB/s" if copy_bw else ""))
     variants = [b for b in args.backends if b not in ("myccl", baseline)]
+    has_base = baseline in args.backends  # --baseline none: no baseline columns
     hdr = (f"{'op':16} {'size':>6} | {'myccl us':>10} {'busbw':>7} | "
            + "".join(f"{v + ' us':>14} {'busbw':>7} | " for v in variants)
-           + f"{baseline + ' us':>10} {'busbw':>7} | "
-           f"{'speedup':>7}" + ("  bus/copy" if copy_bw else "") + ("  check" if args.check else ""))
+           + (f"{baseline + ' us':>10} {'busbw':>7} | {'speedup':>7}" if has_base else "")
+           + ("  bus/copy" if copy_bw else "") + ("  check" if args.check else ""))
     print(hdr)
     print("-" * len(hdr))
     table = []
@@ -327,8 +330,8 @@ def report(rows: list[dict], world: int, args, baseline: str) -> dict:
                 f"{r['time_us']:10.1f} {r['busbw_gbs']:7.2f} | "
                 + "".join(f"{(v['time_us'] if v else float('nan')):14.1f} {(v['busbw_gbs'] if v else float('nan')):7.2f} | "
                           for v in vrows.values())
-                + f"{(b['time_us'] if b else float('nan')):10.1f} {(b['busbw_gbs'] if b else float('nan')):7.2f} | "
-                f"{speed:6.1f}x")
+                + (f"{(b['time_us'] if b else float('nan')):10.1f} {(b['busbw_gbs'] if b else float('nan')):7.2f} | "
+                   f"{speed:6.1f}x" if has_base else ""))
         if copy_bw:
             line += f"  {r['busbw_gbs'] / copy_bw:8.2f}"
         if args.check:

@@ -28,15 +28,21 @@ void copy(CollCtx& c, void* dst, const void* src, size_t n) {
   parallelCopy(c, dst, src, n);
 }
 
-// Ops that write at least a last-level cache's worth into the caller's tensors write it with
-// streaming stores: memcpy reads every destination line before overwriting it, which halves the
-// copy rate into memory that is not in cache (128 MiB in 512 KiB pieces, one core: memcpy 9
-// GB/s, streaming 14-17; two processes at once: 6.6-7 vs 12-15). Smaller results may still be
-// in cache when the caller reads them, and there memcpy is as fast or faster (2 ranks, 16 MiB:
-// even; 4-8 MiB, where the benchmark's tensors stay cached: memcpy 1.3-2.3x faster).
-// The threshold is MYCCL_STREAM_STORE_BYTES (default: streamCopyMinBytes()).
-void copyOut(CollCtx& c, void* dst, const void* src, size_t n, size_t opBytes) {
-  parallelCopy(c, dst, src, n, opBytes >= c.streamMinBytes);
+// Ops whose results, over all ranks of this host, fill at least a last-level cache write them
+// into the caller's tensors with streaming stores: memcpy reads every destination line before
+// overwriting it, which halves the copy rate into memory that is not in cache (128 MiB in 512
+// KiB pieces, one core: memcpy 9 GB/s, streaming 14-17; two processes at once: 6.6-7 vs
+// 12-15). Smaller results may still be in cache when the caller reads them, and there memcpy
+// is as fast or faster (2 ranks, 16 MiB: even; 4-8 MiB, where the benchmark's tensors stay
+// cached: memcpy 1.3-2.3x faster). Measured op by op (collbench --variants myccl-nostream, 2
+// and 4 ranks, 32-256 MiB, both configurations interleaved): all_gather, gather and all_to_all
+// 13-27% faster, broadcast even to 10% faster; scatter 3-30% and reduce 0-8% slower, so
+// those two keep memcpy (their root is the bottleneck, and it does not write results through
+// here). `hostBytes`: what the op writes into result tensors on this
+// host (all local ranks together); the threshold is MYCCL_STREAM_STORE_BYTES (default: the
+// LLC's size, streamCopyMinBytes()).
+void copyOut(CollCtx& c, void* dst, const void* src, size_t n, size_t hostBytes) {
+  parallelCopy(c, dst, src, n, hostBytes >= c.streamMinBytes);
 }
 
 // Ops at least this large first check whether every rank's buffer lives in registered shared
@@ -107,7 +113,7 @@ void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpe
       g.post(a);
       g.waitAll(a, c.deadline);
       for (int q = 0; q < n; ++q)
-        if (q != me) copyOut(c, data + so[q] * es, ptrs[q] + so[q] * es, sc[q] * es, nbytes);
+        if (q != me) copyOut(c, data + so[q] * es, ptrs[q] + so[q] * es, sc[q] * es, nbytes * n);
       finishZeroCopy(c, g, desc);
       return;
     }
@@ -139,7 +145,7 @@ void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpe
 }
 
 void broadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root) {
-  const int me = g.rank();
+  const int n = g.size(), me = g.rank();
   const StepDesc desc{c.tagBase, (static_cast<uint64_t>(nbytes) << 8) | static_cast<uint64_t>(root)};
   const size_t chunk = g.stagingBytes();
   char* data = static_cast<char*>(buf);
@@ -147,7 +153,7 @@ void broadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root) {
     std::vector<char*> ptrs;
     if (agreeZeroCopy(c, g, desc, data, nbytes, {root}, ptrs)) {
       c.algo = "shm-zero-copy";
-      if (me != root) copyOut(c, data, ptrs[root], nbytes, nbytes);
+      if (me != root) copyOut(c, data, ptrs[root], nbytes, nbytes * n);
       finishZeroCopy(c, g, desc);
       return;
     }
@@ -162,7 +168,7 @@ void broadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root) {
     g.post(s);
     if (me != root) {
       g.wait(root, s, c.deadline);
-      copyOut(c, data + off, g.buffer(root, s & 1), m, nbytes);
+      copyOut(c, data + off, g.buffer(root, s & 1), m, nbytes * n);
     }
   }
 }
@@ -210,7 +216,7 @@ void reduce(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, co
       for (int q = 0; q < n; ++q) {
         if (q == me) continue;
         g.wait(q, b, c.deadline);
-        copyOut(c, static_cast<char*>(out) + (off + so[q]) * es, g.buffer(q, b & 1) + so[q] * es, sc[q] * es, nbytes);
+        copy(c, static_cast<char*>(out) + (off + so[q]) * es, g.buffer(q, b & 1) + so[q] * es, sc[q] * es);
       }
     }
   }
@@ -223,13 +229,14 @@ void allgatherv(CollCtx& c, ShmGroup& g, const void* in, void* const* outs, cons
   for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
   const StepDesc desc{c.tagBase, (static_cast<uint64_t>(total) << 8) | (rootOnly ? static_cast<uint64_t>(root) : 0xff)};
   const bool receiver = !rootOnly || me == root;
-  if (receiver) copyOut(c, outs[me], in, nbytes[me], total);
+  const size_t written = rootOnly ? total : total * n;  // result bytes on this host
+  if (receiver) copyOut(c, outs[me], in, nbytes[me], written);
   if (!rootOnly && total >= kZeroCopyMinBytes) {
     std::vector<char*> ptrs;
     if (agreeZeroCopy(c, g, desc, in, nbytes[me], everyone(n), ptrs)) {
       c.algo = "shm-zero-copy";
       for (int q = 0; q < n; ++q)
-        if (q != me) copyOut(c, outs[q], ptrs[q], nbytes[q], total);
+        if (q != me) copyOut(c, outs[q], ptrs[q], nbytes[q], written);
       finishZeroCopy(c, g, desc);
       return;
     }
@@ -245,7 +252,7 @@ void allgatherv(CollCtx& c, ShmGroup& g, const void* in, void* const* outs, cons
     for (int q = 0; q < n; ++q) {
       if (q == me || off >= nbytes[q]) continue;
       g.wait(q, s, c.deadline);
-      copyOut(c, static_cast<char*>(outs[q]) + off, g.buffer(q, s & 1), std::min(chunk, nbytes[q] - off), total);
+      copyOut(c, static_cast<char*>(outs[q]) + off, g.buffer(q, s & 1), std::min(chunk, nbytes[q] - off), written);
     }
   }
 }
@@ -255,7 +262,7 @@ void scatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const 
   size_t most = 0, total = 0;
   for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
   const StepDesc desc{c.tagBase, (static_cast<uint64_t>(total) << 8) | static_cast<uint64_t>(root)};
-  if (me == root) copyOut(c, out, ins[me], nbytes[me], nbytes[me]);
+  if (me == root) copy(c, out, ins[me], nbytes[me]);
   c.algo = "shm-staged";
   const size_t region = std::max<size_t>(64, g.stagingBytes() / n / 64 * 64);
   for (size_t off = 0; off < most; off += region) {
@@ -269,8 +276,7 @@ void scatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const 
     g.post(s);
     if (me != root && off < nbytes[me]) {
       g.wait(root, s, c.deadline);
-      copyOut(c, static_cast<char*>(out) + off, g.buffer(root, s & 1) + me * region, std::min(region, nbytes[me] - off),
-              nbytes[me]);
+      copy(c, static_cast<char*>(out) + off, g.buffer(root, s & 1) + me * region, std::min(region, nbytes[me] - off));
     }
   }
 }
@@ -343,7 +349,7 @@ void alltoallv(CollCtx& c, ShmGroup& g, const void* const* sends, const size_t* 
   }
   size_t received = 0;
   for (int q = 0; q < n; ++q) received += recvBytes[q];
-  copyOut(c, recvs[me], sends[me], recvBytes[me], received);
+  copyOut(c, recvs[me], sends[me], recvBytes[me], received * n);
   const size_t region = std::max<size_t>(64, g.stagingBytes() / n / 64 * 64);
   for (size_t off = 0; off < most; off += region) {
     const uint32_t s = g.begin(desc, c.deadline);
@@ -356,7 +362,7 @@ void alltoallv(CollCtx& c, ShmGroup& g, const void* const* sends, const size_t* 
       if (q == me || off >= recvBytes[q]) continue;
       g.wait(q, s, c.deadline);
       copyOut(c, static_cast<char*>(recvs[q]) + off, g.buffer(q, s & 1) + me * region,
-              std::min(region, recvBytes[q] - off), received);
+              std::min(region, recvBytes[q] - off), received * n);
     }
   }
 }
