@@ -116,7 +116,9 @@ if nccl is not None:
 
 # Reduction kernels need real optimisation; the rest is fine at -O2.
 # -g0 overrides the -g Python's own flags add: debug info roughly doubles compile time here.
-cxx_flags = ["-O3", "-g0", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter",
+# -ffp-contract=off: no multiply is fused into an add (FMA), so results round exactly as the
+# same arithmetic in torch does (the scaled sum of the DDP reducer relies on it).
+cxx_flags = ["-O3", "-g0", "-std=c++20", "-ffp-contract=off", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter",
              "-Wno-sign-compare", "-Wno-unknown-pragmas", "-Wno-missing-field-initializers"]
 if os.environ.get("MYCCL_DEBUG_BUILD") == "1":
     cxx_flags += ["-g", "-O0", "-fno-omit-frame-pointer"]

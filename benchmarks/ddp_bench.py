@@ -55,6 +55,8 @@ CONFIGS = {
     "c10d_ext-ddp/myccl": ("ours", "myccl", False),
     "torch-ddp/myccl+view": ("torch", "myccl", True),
     "c10d_ext-ddp/myccl+view": ("ours", "myccl", True),
+    # the same with the average as a separate pass (what folding it into the reduction saves)
+    "c10d_ext-ddp/myccl+view-unfused": ("ours-unfused", "myccl", True),
 }
 BASELINE = "torch-ddp/gloo"
 LOCAL = "local (no DDP)"
@@ -110,9 +112,12 @@ def build(name: str, args, groups: dict):
     if impl == "none":
         ddp = model
     else:
-        cls = c10d_ext.DistributedDataParallel if impl == "ours" else torch.nn.parallel.DistributedDataParallel
+        ours = impl.startswith("ours")
+        cls = c10d_ext.DistributedDataParallel if ours else torch.nn.parallel.DistributedDataParallel
         ddp = cls(model, process_group=groups[backend], gradient_as_bucket_view=as_view,
                   bucket_cap_mb=args.bucket_cap_mb)
+        if impl == "ours-unfused":
+            ddp.reducer.set_fused_average(False)
     return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4)
 
 
@@ -141,7 +146,7 @@ def time_worker(rank: int, size: int, port: int, names: list, args, queue) -> No
         t = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank is done
         out[name] = {"step_times_s": t.tolist()}
-        if CONFIGS[name][0] == "ours":
+        if CONFIGS[name][0].startswith("ours"):
             # How much reduction was left after autograd finished (not hidden by backward).
             out[name]["exposed_reduction_ms"] = [(it["finished_us"] - it["backward_end_us"]) / 1e3
                                                  for it in ddp.bucket_stats()]
@@ -166,7 +171,7 @@ def memory_worker(rank: int, size: int, port: int, name: str, args, queue) -> No
         pss = max(pss, pss_bytes())
     mem = torch.tensor([float(pss), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    grads = grad_storage_bytes(ddp) if CONFIGS[name][0] == "ours" else None  # torch's buckets are not visible
+    grads = grad_storage_bytes(ddp) if CONFIGS[name][0].startswith("ours") else None  # torch's buckets are not visible
     if rank == 0:
         queue.put({"peak_pss_bytes": mem[0].item(), "peak_rss_bytes": mem[1].item(), "grad_storage_bytes": grads})
     dist.destroy_process_group()

@@ -77,7 +77,7 @@ def _emit_trace(it: dict) -> None:
         trace.complete(f"ddp bucket {b['index']}", b["launch_us"], done, category="ddp", track="ddp buckets",
                        iteration=n, bucket=b["index"], nbytes=b["nbytes"], num_params=b["num_params"],
                        ready_us=b["ready_us"], launch_delay_us=b["launch_us"] - b["ready_us"],
-                       backend_memory=b["backend_memory"])
+                       backend_memory=b["backend_memory"], fused_average=b["fused_average"])
 
 
 class _JoinHook(JoinHook):

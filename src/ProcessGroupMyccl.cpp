@@ -8,6 +8,7 @@
 
 #include <sys/mman.h>
 
+#include <cmath>
 #include <numeric>
 #include <sstream>
 #include <typeinfo>
@@ -504,6 +505,21 @@ WorkRef MycclBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::Al
   if (cuda) return record(nccl("all_reduce").allreduce(std::move(i), tensors, red, opts.asyncOp));
 #endif
   return record(cpu_->allreduce(std::move(i), tensors, red));
+}
+
+WorkRef MycclBackend::allreduceScaled(at::Tensor& tensor, double scale) {
+  const auto w = where("all_reduce");
+  MYCCL_CHECK_ARG(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous() &&
+                      (tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kDouble),
+                  w, ": a scaled sum needs a contiguous float32/float64 CPU tensor, got ", describe(tensor));
+  MYCCL_CHECK_ARG(scale != 0.0 && std::isfinite(scale), w, ": scale must be finite and non-zero, got ", scale);
+  checkWritable(w, tensor, "tensor");
+  const c10d::AllreduceOptions opts;
+  auto red = reduction("all_reduce", tensor, opts.reduceOp);
+  red.spec.scale = scale;
+  auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout, true);
+  annotate(i, tensor, -1, "SUM(scaled)");
+  return record(cpu_->allreduce(std::move(i), {tensor}, red));
 }
 
 WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {

@@ -324,6 +324,8 @@ def body_mechanics(ctx, trace_prefix):
         check(bs[0]["launch_us"] < bs[-1]["ready_us"], "bucket 0 was not launched before the last bucket was ready")
         check(bs[0]["launch_us"] < it["backward_end_us"] <= it["finished_us"], f"no overlap with backward: {it}")
         check(all(b["backend_memory"] for b in bs), "myccl offers bucket memory but a bucket did not use it")
+        # world size 2: the average is folded into myccl's reduction (a scaled sum)
+        check(all(b["fused_average"] for b in bs), "myccl at 2 ranks: a bucket was not averaged in the reduction")
 
     # Rebuild: each rank uses the layers in its own order; after the first iteration every rank
     # adopts rank 0's order (reversed use order: backward produces gradients last layer first).
@@ -369,6 +371,7 @@ def body_mechanics(ctx, trace_prefix):
     m = c10d_ext.DistributedDataParallel(MLP(), process_group=gloo)
     m(torch.randn(3, 12)).sum().backward()
     check(not any(b["backend_memory"] for b in m.bucket_stats()[-1]["buckets"]), "gloo has no bucket memory")
+    check(not any(b["fused_average"] for b in m.bucket_stats()[-1]["buckets"]), "gloo has no scaled sum")
 
     # state_dict keys as torch's DDP.
     tkeys = list(torch.nn.parallel.DistributedDataParallel(ConvNet()).state_dict())
@@ -762,3 +765,49 @@ def test_cuda_nccl_equivalence(run):
         pytest.skip("needs two GPUs")
     for rank, bad in enumerate(run(2, body_cuda, timeout=180)):
         assert not bad, f"rank {rank}: " + "; ".join(bad)
+
+
+def test_scaled_sum_kernel_is_scaling_then_summing():
+    """The kernel behind the reducer's fused average: sum(round(x_q * s)) in input order, bit
+    for bit what torch computes by scaling each input first (no FMA contraction), for
+    float32/float64, 1-4 inputs, lengths around the vector and block widths; anything else
+    is refused."""
+    from c10d_ext import _C
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        for n in (1, 2, 3, 4):
+            for numel in (1, 7, 16, 1000, 4097):
+                ins = [torch.randn(numel, generator=g, dtype=torch.float64).to(dtype) * 1e3 for _ in range(n)]
+                for scale in (0.5, 0.25, 0.1):
+                    want = ins[0] * scale
+                    for x in ins[1:]:
+                        want = want + x * scale
+                    out = torch.empty(numel, dtype=dtype)
+                    _C._reduce_kernel(ins, out, "sum", 0, scale)
+                    assert torch.equal(out, want), (dtype, n, numel, scale)
+    with pytest.raises(Exception, match="scaled sum"):
+        _C._reduce_kernel([torch.ones(4, dtype=torch.bfloat16)] * 2, torch.empty(4, dtype=torch.bfloat16), "sum", 0, 0.5)
+    with pytest.raises(Exception, match="scaled sum"):
+        _C._reduce_kernel([torch.ones(4)] * 2, torch.empty(4), "max", 0, 0.5)
+
+
+def body_fused_disagreement(ctx):
+    """Ranks that disagree on folding the average into the reduction get an error naming the
+    disagreement, never silently different sums."""
+    import c10d_ext
+
+    ctx.init("myccl", timeout=20)
+    torch.manual_seed(0)
+    ddp = c10d_ext.DistributedDataParallel(MLP(), gradient_as_bucket_view=True)
+    ddp.reducer.set_fused_average(ctx.rank != 0)
+    try:
+        ddp(torch.randn(3, 12)).sum().backward()
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "no error"
+
+
+def test_ranks_disagreeing_on_the_fused_average_get_an_error(run):
+    msgs = run(2, body_fused_disagreement, timeout=60)
+    assert any("disagree" in m or "while this rank runs" in m or "expects" in m for m in msgs), msgs

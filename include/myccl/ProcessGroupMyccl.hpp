@@ -39,6 +39,10 @@ class MycclBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  // For the DDP reducer: sum over ranks of round(x * scale) for a contiguous float32/float64 CPU
+  // tensor, the gradient average fused into the reduction (no separate scaling pass on the
+  // shared-memory path). Every rank must pass the same scale.
+  c10::intrusive_ptr<c10d::Work> allreduceScaled(at::Tensor& tensor, double scale);
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,

@@ -22,6 +22,11 @@ struct ReduceSpec {
   RedOp op = RedOp::Sum;
   // Non-zero: divide the final result by this (ReduceOp.AVG). Integers truncate toward zero.
   int64_t divisor = 0;
+  // Non-zero (SUM of float32/float64 only): every input is multiplied by this, rounded in the
+  // element type, as it is summed: sum(round(x_q * scale)), bit for bit what scaling each
+  // input first and summing gives, without the separate pass. All ranks must use the same
+  // value; only the DDP reducer sets it (its gradient average, fused into the reduction).
+  double scale = 0.0;
 };
 
 struct Reduction {

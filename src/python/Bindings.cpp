@@ -184,6 +184,7 @@ py::dict iterationToDict(const rd::IterationStats& s) {
     d["num_params"] = b.numParams;
     d["sparse"] = b.sparse;
     d["backend_memory"] = b.backendMemory;
+    d["fused_average"] = b.fusedAverage;
     d["ready_us"] = b.readyUs;
     d["launch_us"] = b.launchUs;
     d["done_us"] = b.doneUs ? b.doneUs->load() : 0;
@@ -229,6 +230,7 @@ void bindReducer(py::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_forward", &rd::Reducer::prepareForForward, py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets", &rd::Reducer::rebuildBucketsIfDue, py::call_guard<py::gil_scoped_release>())
+      .def("set_fused_average", &rd::Reducer::setFusedAverage, py::arg("on"), py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &rd::Reducer::prepareForBackward, py::arg("outputs"), py::arg("sink_attached"),
            py::call_guard<py::gil_scoped_release>())
       .def("backward_started", &rd::Reducer::backwardStarted, py::call_guard<py::gil_scoped_release>())
@@ -439,7 +441,7 @@ PYBIND11_MODULE(_C, m) {
   // Test hook: the reduction kernels on local tensors, out = reduce(ins) in list order.
   m.def(
       "_reduce_kernel",
-      [](std::vector<at::Tensor> ins, at::Tensor out, const std::string& op, int64_t divisor) {
+      [](std::vector<at::Tensor> ins, at::Tensor out, const std::string& op, int64_t divisor, double scale) {
         TORCH_CHECK(!ins.empty(), "need inputs");
         std::vector<const void*> ptrs;
         for (auto& t : ins) {
@@ -448,11 +450,11 @@ PYBIND11_MODULE(_C, m) {
           ptrs.push_back(t.data_ptr());
         }
         TORCH_CHECK(out.is_contiguous(), "output must be contiguous");
-        myccl::ReduceSpec spec{dtypeOf(out.scalar_type()), parseRedOp(op), divisor};
+        myccl::ReduceSpec spec{dtypeOf(out.scalar_type()), parseRedOp(op), divisor, scale};
         py::gil_scoped_release nogil;
         myccl::cpu::reduceInto(spec, out.data_ptr(), ptrs.data(), static_cast<int>(ptrs.size()), out.numel());
       },
-      py::arg("inputs"), py::arg("out"), py::arg("op"), py::arg("divisor") = 0);
+      py::arg("inputs"), py::arg("out"), py::arg("op"), py::arg("divisor") = 0, py::arg("scale") = 0.0);
 
   // Test hook: streaming-store copy between byte tensors (any alignment), and the size from
   // which MYCCL_STREAM_STORE_BYTES=auto uses it.

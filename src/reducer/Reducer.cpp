@@ -24,6 +24,7 @@
 
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
+#include "myccl/ProcessGroupMyccl.hpp"
 #include "myccl/Recorder.hpp"
 
 namespace myccl::reducer {
@@ -80,6 +81,11 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   for (size_t i = 0; i < n; ++i) {
     MYCCL_CHECK(params_[i].requires_grad() && params_[i].is_leaf(), "ddp: rank ", rank_, ": parameter '", names_[i],
                 "' must be a leaf tensor that requires grad");
+  }
+  try {
+    myccl_ = c10::dynamic_intrusive_pointer_cast<MycclBackend>(pg_->getBackend(c10::DeviceType::CPU));
+  } catch (const std::exception&) {
+    // no CPU backend in this group
   }
   ready_.assign(n, 0);
   gotGradient_.assign(n, 0);
@@ -378,6 +384,20 @@ void Reducer::markUnusedOnce() {
   for (int64_t i : unused_) markReady(static_cast<size_t>(i));
 }
 
+// Average inside the reduction (myccl's scaled sum: sum of round(g * 1/d)) instead of scaling
+// every gradient on the way into the bucket: with gradient_as_bucket_view that saves a pass
+// over all gradients per step. Only where the result is the same bits torch's reducer gets
+// (it divides each gradient by d, then sums): float32/float64, d a power of two, so 1/d is
+// exact and x * (1/d) == x / d. Every rank must decide alike, so not under join() (joined
+// ranks shadow with zeros and may count a different d), and not with a comm hook.
+bool Reducer::fusedAverage(const Bucket& bucket) {
+  if (!allowFused_ || hook_ || !myccl_ || joinFuture_ || shadowing_ || bucket.sparse || !bucket.buffer.device().is_cpu()) return false;
+  const auto st = bucket.buffer.scalar_type();
+  if (st != at::kFloat && st != at::kDouble) return false;
+  const int64_t d = divFactor();
+  return d > 1 && (d & (d - 1)) == 0;
+}
+
 int64_t Reducer::divFactor() {
   if (divFactor_ > 0) return divFactor_;
   divFactor_ = worldSize_;
@@ -420,12 +440,14 @@ void Reducer::markDense(Bucket& bucket, size_t slot, size_t index) {
               where(), ": parameter '", names_[index], "' got a gradient of ", grad.scalar_type(), " ",
               shapeOf(grad), " on ", grad.device(), ", expected ", view.scalar_type(), " ", shapeOf(view), " on ",
               view.device());
+  const bool fused = fusedAverage(bucket);
   if (grad.is_alias_of(view)) {
-    // .grad already is the bucket view (gradient_as_bucket_view): scale in place.
-    if (!hook_) view.div_(divFactor());
+    // .grad already is the bucket view (gradient_as_bucket_view): scale in place, unless the
+    // reduction does it.
+    if (!hook_ && !fused) view.div_(divFactor());
     return;
   }
-  if (!hook_) {
+  if (!hook_ && !fused) {
     // Average while copying in (one pass instead of two). x * (1 / world_size), rounded once:
     // the same operation torch's reducer does, hence the same bits.
     const auto scale = at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(divFactor()));
@@ -434,7 +456,7 @@ void Reducer::markDense(Bucket& bucket, size_t slot, size_t index) {
     else
       at::mul_out(view, grad, scale);
   } else {
-    view.copy_(grad);  // a comm hook owns the averaging
+    view.copy_(grad);  // a comm hook, or the reduction, owns the averaging
   }
   if (opts_.gradientAsBucketView) grad = view;
 }
@@ -456,6 +478,7 @@ void Reducer::launchReadyBuckets() {
   while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
     Bucket& b = buckets_[nextBucket_];
     b.times.launchUs = Recorder::nowUs();
+    b.times.fusedAverage = fusedAverage(b);
     b.future = runReduction(nextBucket_, b.sparse ? b.sparseGrad : b.buffer);
     auto done = b.times.doneUs;
     b.future->addCallback([done](c10::ivalue::Future&) { done->store(Recorder::nowUs()); });
@@ -471,6 +494,10 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::runReduction(size_t index, cons
     for (int64_t i : bucket.vars) ps.push_back(params_[i]);
     auto gb = std::make_shared<GradBucket>(index, buckets_.size(), buffer, std::move(ps), bucket.offsets, bucket.lengths);
     return hook_->run(gb);
+  }
+  if (fusedAverage(bucket)) {
+    at::Tensor b = buffer;
+    return myccl_->allreduceScaled(b, 1.0 / static_cast<double>(divFactor()))->getFuture();
   }
   // Averaged already (scaled on the way in): a plain sum finishes it.
   std::vector<at::Tensor> ts{buffer.is_complex() ? at::view_as_real(buffer) : buffer};
@@ -683,9 +710,20 @@ void Reducer::finalizeBackward() {
   if (observer) observer(record);
 }
 
+void Reducer::setFusedAverage(bool on) {
+  std::lock_guard<std::mutex> lk(mu_);
+  MYCCL_CHECK(!expectHooks_, where(), ": set_fused_average during a backward");
+  allowFused_ = on;
+}
+
 void Reducer::shadowBackward() {
   std::lock_guard<std::mutex> lk(mu_);
   MYCCL_CHECK(!expectHooks_, where(), ": a joined rank cannot shadow a backward while running its own");
+  shadowing_ = true;
+  struct Reset {
+    bool& flag;
+    ~Reset() { flag = false; }
+  } reset{shadowing_};
   IterationStats rec;
   rec.iteration = synced_ + 1;
   rec.backwardStartUs = rec.backwardEndUs = Recorder::nowUs();

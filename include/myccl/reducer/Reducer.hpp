@@ -22,6 +22,9 @@
 namespace torch::autograd {
 struct Node;  // a parameter's gradient accumulator; complete in Reducer.cpp
 }
+namespace myccl {
+class MycclBackend;
+}
 
 namespace myccl::reducer {
 
@@ -40,6 +43,7 @@ struct BucketTimes {
   size_t numParams = 0;
   bool sparse = false;
   bool backendMemory = false;  // the buffer came from Backend::allocateTensor
+  bool fusedAverage = false;   // averaged inside the reduction (myccl's scaled sum)
   int64_t readyUs = 0;         // its last gradient arrived
   int64_t launchUs = 0;        // its allreduce / comm hook was started
   // Written by the future's callback, which may run after the waiter has woken up.
@@ -86,6 +90,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Runs every bucket's reduction (hook included) on zeros, then the unused-parameter
   // allreduce if the others run one; counts as a synchronised iteration.
   void shadowBackward();
+  // Benchmarks: turn the fused average (fusedAverage) off to measure what it saves. Every rank
+  // must set the same (ranks that differ get an error from the reduction, not wrong sums).
+  void setFusedAverage(bool on);
 
   // Before the first backward only; once.
   void registerCommHook(std::shared_ptr<CommHook> hook);
@@ -130,6 +137,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void writeBack(Bucket& bucket);
   bool globallyUnused(size_t index);
   int64_t divFactor();
+  bool fusedAverage(const Bucket& bucket);
   void waitAllQuietly();
   void endIteration();
   std::string describe(const std::vector<size_t>& indices) const;
@@ -145,6 +153,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   const c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   const ReducerOptions opts_;
   const int rank_, worldSize_;
+  // The group's CPU backend when it is myccl: buckets are then averaged inside the reduction.
+  c10::intrusive_ptr<MycclBackend> myccl_;
 
   // The accumulators hold our hooks; the parameters only reference them weakly.
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
@@ -168,6 +178,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t divFactor_ = 0;        // 0: not yet decided this iteration
   c10::intrusive_ptr<c10::ivalue::Future> joinFuture_;
   bool joinStaticWorld_ = true;
+  bool shadowing_ = false;
+  bool allowFused_ = true;       // a joined rank mirroring the others' reductions (with zeros)
   IterationStats current_;
 
   // ---- unused-parameter bookkeeping ----

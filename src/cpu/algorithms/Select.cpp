@@ -11,6 +11,7 @@
 #include "myccl/Topology.hpp"
 #include "myccl/cpu/Copy.hpp"
 #include "myccl/cpu/Parallel.hpp"
+#include "myccl/cpu/Reduce.hpp"
 
 namespace myccl::cpu {
 
@@ -141,7 +142,16 @@ Family family(const CollCtx& c, bool hierarchicalVersion) {
 }  // namespace
 
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
-  switch (family(c, true)) {
+  const Family f = family(c, true);
+  if (spec.scale != 0.0 && f != Family::Shm) {
+    // Only the shared-memory algorithms sum raw inputs in one pass; the others combine partial
+    // sums, which must not be scaled again. Scaling first gives the same bits.
+    scaleInPlace(spec.dtype, buf, count, spec.scale);
+    ReduceSpec plain = spec;
+    plain.scale = 0.0;
+    return allreduce(c, buf, count, plain);
+  }
+  switch (f) {
     case Family::Single: return;
     case Family::Shm: return shmalg::allreduce(c, *c.shm, buf, count, spec);
     case Family::Hier: return hier::allreduce(c, buf, count, spec);

@@ -21,7 +21,7 @@ constexpr size_t kOneStepReduceBytes = 64 * 1024;
 
 uint64_t reduceArg(size_t count, const ReduceSpec& spec) {
   return (static_cast<uint64_t>(count) << 16) | (static_cast<uint64_t>(spec.dtype) << 8) |
-         static_cast<uint64_t>(spec.op) | (spec.divisor ? 0x80 : 0);
+         static_cast<uint64_t>(spec.op) | (spec.divisor ? 0x80 : 0) | (spec.scale != 0.0 ? 0x40 : 0);
 }
 
 void copy(CollCtx& c, void* dst, const void* src, size_t n) {
