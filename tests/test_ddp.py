@@ -235,6 +235,13 @@ def body_equivalence(ctx):
         for model, cfg in [("mlp", "plain"), ("conv", "grad_view"), ("embed", "fp16_hook"), ("mlp", "no_sync")]:
             bad += [f"gloo: {b}" for b in compare_with_torch(ctx, model, cfg, gloo)]
             checked += 1
+        # myccl over TCP: the fused average takes the scale-first fallback (not shared memory)
+        import c10d_ext
+
+        tcp = dist.new_group(backend="myccl", pg_options=c10d_ext.Options(transport="tcp"))
+        for model, cfg in [("mlp", "grad_view"), ("conv", "plain")]:
+            bad += [f"myccl-tcp: {b}" for b in compare_with_torch(ctx, model, cfg, tcp)]
+            checked += 1
     return bad, checked
 
 
@@ -243,7 +250,7 @@ def body_equivalence(ctx):
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_bitwise_equal_to_torch_ddp(run, size):
     results = run(size, body_equivalence, timeout=240)
-    expected = len(list(combos())) + (4 if size == 2 else 0)
+    expected = len(list(combos())) + (6 if size == 2 else 0)
     for rank, (bad, checked) in enumerate(results):
         assert checked == expected, f"rank {rank} ran {checked} of {expected} combinations"
         assert not bad, f"rank {rank}:\n" + "\n".join(bad)
