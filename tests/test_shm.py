@@ -259,7 +259,7 @@ def _guard_intact(buf, view, guard):
 
 def body_streaming_stores(ctx):
     """Every op whose result is written with streaming stores (broadcast, all_gather, gather,
-    all_to_all, zero-copy all_reduce), forced on from 4 KiB, with outputs at odd offsets and a
+    scatter's root, all_to_all, zero-copy all_reduce), forced on from 4 KiB, with outputs at odd offsets and a
     multi-chunk pipeline: the results must be exact."""
     import c10d_ext
 
@@ -286,6 +286,10 @@ def body_streaming_stores(ctx):
         if r == 0:
             check(all(torch.equal(v, xs[q]) and _guard_intact(b, v, g) for q, (b, v) in enumerate(framed)),
                   f"gather {dtype}")
+        parts = [make(q, (numel,), dtype, 12) for q in range(n)]
+        buf, out = _framed(numel, dtype, off, g)
+        dist.scatter(out, parts if r == 0 else None, src=0)  # the root streams its own block
+        check(torch.equal(out, parts[r]) and _guard_intact(buf, out, g), f"scatter {dtype}")
         sends = [make(q, (numel * n,), dtype, 13) for q in range(n)]
         buf, out = _framed(numel * n, dtype, off, g)
         dist.all_to_all_single(out, sends[r])

@@ -36,9 +36,10 @@ void copy(CollCtx& c, void* dst, const void* src, size_t n) {
 // is as fast or faster (2 ranks, 16 MiB: even; 4-8 MiB, where the benchmark's tensors stay
 // cached: memcpy 1.3-2.3x faster). Measured op by op (collbench --variants myccl-nostream, 2
 // and 4 ranks, 32-256 MiB, both configurations interleaved): all_gather, gather and all_to_all
-// 13-27% faster, broadcast even to 10% faster; scatter 3-30% and reduce 0-8% slower, so
-// those two keep memcpy (their root is the bottleneck, and it does not write results through
-// here). `hostBytes`: what the op writes into result tensors on this
+// 13-27% faster, broadcast even to 10% faster; scatter 3-30% and reduce 0-8% slower when
+// every rank streamed, so reduce and scatter's receivers keep memcpy. Scatter's root, the
+// bottleneck there, streams its own block only: 2 ranks 128-256 MiB +28-36%, 4 ranks +3-10%.
+// `hostBytes`: what the op writes into result tensors on this
 // host (all local ranks together); the threshold is MYCCL_STREAM_STORE_BYTES (default: the
 // LLC's size, streamCopyMinBytes()).
 void copyOut(CollCtx& c, void* dst, const void* src, size_t n, size_t hostBytes) {
@@ -262,7 +263,7 @@ void scatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const 
   size_t most = 0, total = 0;
   for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
   const StepDesc desc{c.tagBase, (static_cast<uint64_t>(total) << 8) | static_cast<uint64_t>(root)};
-  if (me == root) copy(c, out, ins[me], nbytes[me]);
+  if (me == root) copyOut(c, out, ins[me], nbytes[me], total);
   c.algo = "shm-staged";
   const size_t region = std::max<size_t>(64, g.stagingBytes() / n / 64 * 64);
   for (size_t off = 0; off < most; off += region) {
