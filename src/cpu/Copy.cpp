@@ -54,7 +54,9 @@ void streamCopy(void* dst, const void* src, size_t n) {
   std::memcpy(dst, src, n);
 }
 
-size_t streamCopyMinBytes() {
+namespace {
+
+size_t readStreamCopyMinBytes() {
   // sysfs first: glibc's sysconf derives the size from CPUID, which a VM may fill with the
   // host's figure (this project's VM: sysfs 32 MiB, sysconf 320 MiB).
   long llc = 0;
@@ -74,6 +76,13 @@ size_t streamCopyMinBytes() {
 #endif
   const size_t want = llc > 0 ? static_cast<size_t>(llc) : (size_t{32} << 20);
   return std::clamp(want, size_t{4} << 20, size_t{256} << 20);
+}
+
+}  // namespace
+
+size_t streamCopyMinBytes() {
+  static const size_t bytes = readStreamCopyMinBytes();  // read once per process, not per group
+  return bytes;
 }
 
 }  // namespace myccl::cpu

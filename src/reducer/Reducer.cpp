@@ -391,7 +391,8 @@ void Reducer::markUnusedOnce() {
 // exact and x * (1/d) == x / d. Every rank must decide alike, so not under join() (joined
 // ranks shadow with zeros and may count a different d), and not with a comm hook.
 bool Reducer::fusedAverage(const Bucket& bucket) {
-  if (!allowFused_ || hook_ || !myccl_ || joinFuture_ || shadowing_ || bucket.sparse || !bucket.buffer.device().is_cpu()) return false;
+  if (!allowFused_ || hook_ || !myccl_ || joinFuture_ || shadowing_ || bucket.sparse || !bucket.buffer.device().is_cpu())
+    return false;
   const auto st = bucket.buffer.scalar_type();
   if (st != at::kFloat && st != at::kDouble) return false;
   const int64_t d = divFactor();

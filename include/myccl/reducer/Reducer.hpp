@@ -178,8 +178,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t divFactor_ = 0;        // 0: not yet decided this iteration
   c10::intrusive_ptr<c10::ivalue::Future> joinFuture_;
   bool joinStaticWorld_ = true;
-  bool shadowing_ = false;
-  bool allowFused_ = true;       // a joined rank mirroring the others' reductions (with zeros)
+  bool shadowing_ = false;       // a joined rank mirroring the others' reductions (with zeros)
+  bool allowFused_ = true;       // setFusedAverage
   IterationStats current_;
 
   // ---- unused-parameter bookkeeping ----

@@ -39,9 +39,9 @@ void copy(CollCtx& c, void* dst, const void* src, size_t n) {
 // 13-27% faster, broadcast even to 10% faster; scatter 3-30% and reduce 0-8% slower when
 // every rank streamed, so reduce and scatter's receivers keep memcpy. Scatter's root, the
 // bottleneck there, streams its own block only: 2 ranks 128-256 MiB +28-36%, 4 ranks +3-10%.
-// `hostBytes`: what the op writes into result tensors on this
-// host (all local ranks together); the threshold is MYCCL_STREAM_STORE_BYTES (default: the
-// LLC's size, streamCopyMinBytes()).
+// `hostBytes`: what the op writes into result tensors on this host (all local ranks
+// together); the threshold is MYCCL_STREAM_STORE_BYTES (default: the LLC's size,
+// streamCopyMinBytes()).
 void copyOut(CollCtx& c, void* dst, const void* src, size_t n, size_t hostBytes) {
   parallelCopy(c, dst, src, n, hostBytes >= c.streamMinBytes);
 }
