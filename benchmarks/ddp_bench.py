@@ -57,6 +57,9 @@ CONFIGS = {
     "c10d_ext-ddp/myccl+view": ("ours", "myccl", True),
     # the same with the average as a separate pass (what folding it into the reduction saves)
     "c10d_ext-ddp/myccl+view-unfused": ("ours-unfused", "myccl", True),
+    # without gradient_as_bucket_view, .grad in memory of its own as torch keeps it (copied into
+    # the bucket and back every step) instead of slot aliases (what the aliases save)
+    "c10d_ext-ddp/myccl-copy": ("ours-copy", "myccl", False),
 }
 BASELINE = "torch-ddp/gloo"
 LOCAL = "local (no DDP)"
@@ -79,16 +82,24 @@ def make_model(layers: int, width: int) -> torch.nn.Module:
 
 
 def grad_storage_bytes(ddp) -> int:
-    storages = {}
+    """Bytes of memory under .grad tensors and bucket buffers, each byte counted once (a .grad
+    may be a view of a bucket or a tensor of its own over a bucket slot)."""
+    spans = []
     for p in ddp.parameters():
         if p.grad is not None:
             s = p.grad.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
+            spans.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
     for b in ddp.reducer.bucket_buffers():
         if b is not None and b.numel():
             s = b.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
+            spans.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+    total, end = 0, 0
+    for lo, hi in sorted(spans):
+        lo = max(lo, end)
+        if hi > lo:
+            total += hi - lo
+            end = hi
+    return total
 
 
 def setup(rank: int, size: int, port: int, args):
@@ -118,6 +129,8 @@ def build(name: str, args, groups: dict):
                   bucket_cap_mb=args.bucket_cap_mb)
         if impl == "ours-unfused":
             ddp.reducer.set_fused_average(False)
+        if impl == "ours-copy":
+            ddp.reducer.set_grad_alias(False)
     return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4)
 
 

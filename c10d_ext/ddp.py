@@ -77,7 +77,8 @@ def _emit_trace(it: dict) -> None:
         trace.complete(f"ddp bucket {b['index']}", b["launch_us"], done, category="ddp", track="ddp buckets",
                        iteration=n, bucket=b["index"], nbytes=b["nbytes"], num_params=b["num_params"],
                        ready_us=b["ready_us"], launch_delay_us=b["launch_us"] - b["ready_us"],
-                       backend_memory=b["backend_memory"], fused_average=b["fused_average"])
+                       backend_memory=b["backend_memory"], fused_average=b["fused_average"],
+                       grad_copies=b["grad_copies"])
 
 
 class _JoinHook(JoinHook):
@@ -113,6 +114,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     one bucket until it has seen an iteration); with ``find_unused_parameters=False`` a parameter
     that gets no gradient raises at the end of that same backward, naming it, instead of at the
     next forward after the optimizer has stepped; ``bucket_stats()`` gives per-bucket timings.
+    Without ``gradient_as_bucket_view`` (CPU, ``find_unused_parameters=False``), each ``.grad``
+    is a tensor with a storage of its own, not a view, placed over its slot in the bucket, so
+    gradients are accumulated and averaged where they are reduced instead of being copied into
+    the bucket and back every step (``reducer.set_grad_alias(False)`` restores the copies).
     """
 
     def __init__(
@@ -367,6 +372,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     def bucket_stats(self) -> list[dict]:
         """Per synchronised backward (the last ten): backward start/end, and per bucket its size,
         when its last gradient was ready, when its reduction was launched and when it completed
-        (CLOCK_REALTIME microseconds, the timeline's clock)."""
+        (CLOCK_REALTIME microseconds, the timeline's clock), whether the average was folded into
+        the reduction (``fused_average``) and how many gradients had to be copied into it
+        (``grad_copies``: none once every ``.grad`` lives in its bucket)."""
         return self.reducer.bucket_stats()
 

@@ -146,6 +146,9 @@ SMALL = 0.002  # MiB: several buckets even for these small models
 CONFIGS = {
     "plain": ({}, 1, True, None),
     "no_sync": ({"bucket_cap_mb": SMALL}, 3, True, None),
+    # gradients kept across steps: from the second step on they are accumulated and averaged
+    # in their bucket slots (slot aliases), not copied
+    "no_sync_keep": ({"bucket_cap_mb": SMALL}, 3, False, None),
     "grad_view": ({"gradient_as_bucket_view": True, "bucket_cap_mb": SMALL}, 1, False, None),
     "no_sync_view": ({"gradient_as_bucket_view": True, "bucket_cap_mb": SMALL}, 3, False, None),
     "static": ({"static_graph": True, "bucket_cap_mb": SMALL}, 1, True, None),
@@ -232,7 +235,8 @@ def body_equivalence(ctx):
         # Another backend through the same public ProcessGroup API (sums of two are order-free,
         # so gloo's results are bit-identical too).
         gloo = dist.new_group(backend="gloo")
-        for model, cfg in [("mlp", "plain"), ("conv", "grad_view"), ("embed", "fp16_hook"), ("mlp", "no_sync")]:
+        for model, cfg in [("mlp", "plain"), ("conv", "grad_view"), ("embed", "fp16_hook"), ("mlp", "no_sync"),
+                           ("conv", "no_sync_keep")]:
             bad += [f"gloo: {b}" for b in compare_with_torch(ctx, model, cfg, gloo)]
             checked += 1
         # myccl over TCP: the fused average takes the scale-first fallback (not shared memory)
@@ -250,7 +254,7 @@ def body_equivalence(ctx):
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_bitwise_equal_to_torch_ddp(run, size):
     results = run(size, body_equivalence, timeout=240)
-    expected = len(list(combos())) + (6 if size == 2 else 0)
+    expected = len(list(combos())) + (7 if size == 2 else 0)
     for rank, (bad, checked) in enumerate(results):
         assert checked == expected, f"rank {rank} ran {checked} of {expected} combinations"
         assert not bad, f"rank {rank}:\n" + "\n".join(bad)
@@ -348,23 +352,52 @@ def body_mechanics(ctx, trace_prefix):
     flat = [i for b in rebuilt for i in b]
     check(sorted(flat) == list(range(16)), f"rebuilt plan is not a permutation: {rebuilt}")
 
-    # gradient_as_bucket_view: .grad lives in the bucket (no second copy); without it, not.
-    for as_view in (True, False):
-        m = c10d_ext.DistributedDataParallel(Wide(), gradient_as_bucket_view=as_view, bucket_cap_mb=0.5)
+    # .grad lives in the bucket (no copy in or out after the first backward): as a view with
+    # gradient_as_bucket_view, as a tensor of its own over its slot (a slot alias) without it;
+    # with find_unused_parameters, or after set_grad_alias(False), in memory of its own.
+    def in_buckets(m):
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in m.reducer.bucket_buffers()]
+        return [any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in m.parameters()]
+
+    def copies(m, it):
+        return sum(b["grad_copies"] for b in m.bucket_stats()[it]["buckets"])
+
+    nparams = len(list(Wide().parameters()))
+    for as_view, unused in ((True, False), (False, False), (False, True)):
+        m = c10d_ext.DistributedDataParallel(Wide(), gradient_as_bucket_view=as_view, bucket_cap_mb=0.5,
+                                             find_unused_parameters=unused)
         c10d_ext.reset_stats()
         for _ in range(2):
             m(torch.randn(4, 512)).sum().backward()
         bufs = m.reducer.bucket_buffers()
-        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in bufs]
-        inside = [any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in m.parameters()]
+        inside = in_buckets(m)
         grad_storages = {p.grad.untyped_storage().data_ptr() for p in m.parameters()}
+        what = f"gradient_as_bucket_view={as_view}, find_unused_parameters={unused}"
+        check(copies(m, 0) == nparams, f"{what}: first backward copied {copies(m, 0)} of {nparams} gradients")
         if as_view:
             check(all(inside), "gradient_as_bucket_view: a .grad is not a view into its bucket")
             check(grad_storages <= {b.untyped_storage().data_ptr() for b in bufs}, "grads have their own storage")
+        elif not unused:
+            check(all(inside), f"{what}: a .grad is not in its bucket slot: {inside}")
+            check(all(p.grad._base is None and p.grad.untyped_storage().nbytes() == p.grad.numel() * 4
+                      for p in m.parameters()), f"{what}: a .grad is a view or shares a storage")
+            for p in m.parameters():
+                p.grad.detach_()  # what zero_grad does; a view would refuse
         else:
-            check(not any(inside), "without gradient_as_bucket_view .grad must not alias the buckets")
+            check(not any(inside), f"{what}: a .grad aliases its bucket")
+        want = nparams if unused else 0
+        check(copies(m, -1) == want, f"{what}: second backward copied {copies(m, -1)} gradients, expected {want}")
         # Every rank registered its bucket: myccl reduces straight out of them.
         check("all_reduce/shm-zero-copy" in c10d_ext.stats(), f"no zero-copy all_reduce: {sorted(c10d_ext.stats())}")
+    # set_grad_alias(False): every .grad gets memory of its own and is copied again.
+    m = c10d_ext.DistributedDataParallel(Wide(), bucket_cap_mb=0.5)
+    m(torch.randn(4, 512)).sum().backward()
+    before = [p.grad.clone() for p in m.parameters()]
+    m.reducer.set_grad_alias(False)
+    check(not any(in_buckets(m)), "set_grad_alias(False) left a .grad in its bucket")
+    check(all(torch.equal(a, p.grad) for a, p in zip(before, m.parameters())), "set_grad_alias(False) changed a .grad")
+    m(torch.randn(4, 512)).sum().backward()
+    check(copies(m, -1) == nparams and not any(in_buckets(m)), "set_grad_alias(False): gradients not copied")
 
     # no_sync: no collective at all during the accumulation backward.
     m = c10d_ext.DistributedDataParallel(MLP())

@@ -185,6 +185,7 @@ py::dict iterationToDict(const rd::IterationStats& s) {
     d["sparse"] = b.sparse;
     d["backend_memory"] = b.backendMemory;
     d["fused_average"] = b.fusedAverage;
+    d["grad_copies"] = b.gradCopies;
     d["ready_us"] = b.readyUs;
     d["launch_us"] = b.launchUs;
     d["done_us"] = b.doneUs ? b.doneUs->load() : 0;
@@ -231,6 +232,7 @@ void bindReducer(py::module& m) {
       .def("prepare_for_forward", &rd::Reducer::prepareForForward, py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets", &rd::Reducer::rebuildBucketsIfDue, py::call_guard<py::gil_scoped_release>())
       .def("set_fused_average", &rd::Reducer::setFusedAverage, py::arg("on"), py::call_guard<py::gil_scoped_release>())
+      .def("set_grad_alias", &rd::Reducer::setGradAlias, py::arg("on"), py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &rd::Reducer::prepareForBackward, py::arg("outputs"), py::arg("sink_attached"),
            py::call_guard<py::gil_scoped_release>())
       .def("backward_started", &rd::Reducer::backwardStarted, py::call_guard<py::gil_scoped_release>())

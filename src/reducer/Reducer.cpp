@@ -7,6 +7,7 @@
 #include <ATen/ScalarOps.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sparse_coo_tensor.h>
 #include <ATen/ops/view_as_real.h>
@@ -64,6 +65,22 @@ at::Tensor emptySparseLike(const at::Tensor& param) {
   vshape.insert(vshape.begin(), 0);
   return at::sparse_coo_tensor(at::empty({1, 0}, param.options().dtype(at::kLong)),
                                at::empty(vshape, param.options()), sizes);
+}
+
+// `grad` already is the memory of the bucket slot `view`, laid out alike: a bucket view
+// (gradient_as_bucket_view) or a slot alias.
+bool inSlot(const at::Tensor& grad, const at::Tensor& view) {
+  return grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() && grad.strides() == view.strides();
+}
+
+// Without gradient_as_bucket_view, torch's reducer keeps each .grad in memory of its own and
+// copies it into the bucket before the reduction and back after it: two passes over every
+// gradient, the second one on the critical path after backward. A slot alias is a gradient
+// with a storage of its own (not a view: detach_(), set_() and requires_grad_() behave as on
+// any gradient) over its bucket slot's memory, so AccumulateGrad adds into the bucket and the
+// reduction leaves the averaged gradient in .grad. It holds the bucket's buffer alive.
+at::Tensor slotAlias(const at::Tensor& view, const at::Tensor& buffer) {
+  return at::from_blob(view.data_ptr(), view.sizes(), view.strides(), [keep = buffer](void*) {}, view.options());
 }
 
 }  // namespace
@@ -169,9 +186,10 @@ std::vector<at::Tensor> Reducer::viewsInto(const at::Tensor& flat, const Bucket&
 void Reducer::initializeBuckets(const BucketPlan& plan) {
   validatePlan(plan, params_, sparse_, names_);
   at::NoGradGuard noGrad;
-  // With gradient_as_bucket_view, gradients that already live in the old buckets move with
+  // Gradients that already live in the old buckets (bucket views, slot aliases) move with
   // their parameters into the new ones.
   std::vector<Bucket> old = std::move(buckets_);
+  const std::vector<Locator> oldWhere = std::move(where_);
   buckets_.clear();
   where_.assign(params_.size(), Locator{});
   for (size_t b = 0; b < plan.size(); ++b) {
@@ -199,15 +217,23 @@ void Reducer::initializeBuckets(const BucketPlan& plan) {
     for (size_t s = 0; s < bucket.vars.size(); ++s) where_[bucket.vars[s]] = Locator{b, s};
     buckets_.push_back(std::move(bucket));
   }
-  if (opts_.gradientAsBucketView) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      at::Tensor& grad = params_[i].mutable_grad();
-      const auto& loc = where_[i];
-      if (buckets_[loc.bucket].sparse || !grad.defined()) continue;
-      at::Tensor& view = buckets_[loc.bucket].views[loc.slot];
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    const auto& loc = where_[i];
+    Bucket& bucket = buckets_[loc.bucket];
+    if (bucket.sparse || !grad.defined()) continue;
+    at::Tensor& view = bucket.views[loc.slot];
+    if (opts_.gradientAsBucketView) {
       if (!grad.is_alias_of(view)) {
         view.copy_(grad);
         grad = view;
+      }
+    } else if (gradInSlot(bucket) && i < oldWhere.size() && !old.empty()) {
+      // A slot alias of the old buckets moves with its parameter (and lets the old buffer go).
+      const Bucket& was = old[oldWhere[i].bucket];
+      if (!was.sparse && inSlot(grad, was.views[oldWhere[i].slot])) {
+        view.copy_(grad);
+        grad = slotAlias(view, bucket.buffer);
       }
     }
   }
@@ -294,6 +320,7 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs, bool si
     b.future.reset();
     b.sparseGrad.reset();
     b.times.readyUs = b.times.launchUs = 0;
+    b.times.gradCopies = 0;
     b.times.doneUs = std::make_shared<std::atomic<int64_t>>(0);
   }
   current_ = IterationStats{};
@@ -399,6 +426,13 @@ bool Reducer::fusedAverage(const Bucket& bucket) {
   return d > 1 && (d & (d - 1)) == 0;
 }
 
+bool Reducer::gradInSlot(const Bucket& bucket) const {
+  // Not with find_unused_parameters: a globally unused parameter keeps its .grad as it was,
+  // and an alias would be reduced with its bucket.
+  return allowAlias_ && !opts_.gradientAsBucketView && !opts_.findUnusedParameters && !bucket.sparse &&
+         bucket.buffer.device().is_cpu();
+}
+
 int64_t Reducer::divFactor() {
   if (divFactor_ > 0) return divFactor_;
   divFactor_ = worldSize_;
@@ -442,13 +476,19 @@ void Reducer::markDense(Bucket& bucket, size_t slot, size_t index) {
               shapeOf(grad), " on ", grad.device(), ", expected ", view.scalar_type(), " ", shapeOf(view), " on ",
               view.device());
   const bool fused = fusedAverage(bucket);
-  if (grad.is_alias_of(view)) {
-    // .grad already is the bucket view (gradient_as_bucket_view): scale in place, unless the
-    // reduction does it.
-    if (!hook_ && !fused) view.div_(divFactor());
+  const bool average = !hook_ && !fused;
+  if (inSlot(grad, view) && (opts_.gradientAsBucketView || !grad.requires_grad())) {
+    // .grad already lives in the bucket (a bucket view or a slot alias): scale in place,
+    // unless the reduction does it. The bits are those of torch's reducer in the same mode:
+    // it divides bucket views and multiplies copies by 1 / world_size.
+    if (average && opts_.gradientAsBucketView)
+      view.div_(divFactor());
+    else if (average)
+      view.mul_(at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(divFactor())));
     return;
   }
-  if (!hook_ && !fused) {
+  ++bucket.times.gradCopies;
+  if (average) {
     // Average while copying in (one pass instead of two). x * (1 / world_size), rounded once:
     // the same operation torch's reducer does, hence the same bits.
     const auto scale = at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(divFactor()));
@@ -459,7 +499,10 @@ void Reducer::markDense(Bucket& bucket, size_t slot, size_t index) {
   } else {
     view.copy_(grad);  // a comm hook, or the reduction, owns the averaging
   }
-  if (opts_.gradientAsBucketView) grad = view;
+  if (opts_.gradientAsBucketView)
+    grad = view;
+  else if (gradInSlot(bucket) && !grad.requires_grad())
+    grad = slotAlias(view, bucket.buffer);  // from the next iteration on, no copy either way
 }
 
 void Reducer::markSparse(Bucket& bucket, size_t index) {
@@ -561,10 +604,13 @@ void Reducer::writeBack(Bucket& bucket) {
     at::Tensor& grad = params_[i].mutable_grad();
     if (!opts_.gradientAsBucketView) {
       if (unused) continue;  // nobody computed it: leave .grad as it was
-      if (grad.defined())
-        grad.copy_(src);
-      else
+      if (grad.defined()) {
+        if (!inSlot(grad, src)) grad.copy_(src);  // a slot alias holds the result already
+      } else if (gradInSlot(bucket) && src.is_same(view)) {
+        grad = slotAlias(view, bucket.buffer);
+      } else {
         grad = torch::autograd::utils::clone_obey_contract(src, params_[i]);
+      }
       continue;
     }
     if (!view.is_alias_of(src)) view.copy_(src);
@@ -638,10 +684,14 @@ void Reducer::finalizeBackward() {
         const Locator loc = where_[i];
         Bucket& b = buckets_[loc.bucket];
         ready_[i] = 1;
-        if (b.sparse)
+        if (b.sparse) {
           b.sparseGrad = emptySparseLike(params_[i]);
-        else
+        } else {
+          // A slot alias keeps its value in memory of its own before its slot is zeroed.
+          at::Tensor& grad = params_[i].mutable_grad();
+          if (!opts_.gradientAsBucketView && grad.defined() && inSlot(grad, b.views[loc.slot])) grad = grad.clone();
           b.views[loc.slot].zero_();
+        }
         if (--b.pending == 0) b.times.readyUs = Recorder::nowUs();
       }
       launchReadyBuckets();
@@ -717,6 +767,19 @@ void Reducer::setFusedAverage(bool on) {
   allowFused_ = on;
 }
 
+void Reducer::setGradAlias(bool on) {
+  std::lock_guard<std::mutex> lk(mu_);
+  MYCCL_CHECK(!expectHooks_, where(), ": set_grad_alias during a backward");
+  allowAlias_ = on;
+  if (on || opts_.gradientAsBucketView) return;
+  at::NoGradGuard noGrad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    const Bucket& b = buckets_[where_[i].bucket];
+    if (grad.defined() && !b.sparse && inSlot(grad, b.views[where_[i].slot])) grad = grad.clone();
+  }
+}
+
 void Reducer::shadowBackward() {
   std::lock_guard<std::mutex> lk(mu_);
   MYCCL_CHECK(!expectHooks_, where(), ": a joined rank cannot shadow a backward while running its own");
@@ -734,6 +797,7 @@ void Reducer::shadowBackward() {
     at::Tensor zeros = bucket.sparse ? emptySparseLike(params_[bucket.vars[0]]) : at::zeros_like(bucket.buffer);
     BucketTimes t = bucket.times;
     t.readyUs = t.launchUs = Recorder::nowUs();
+    t.gradCopies = 0;
     futures.push_back(runReduction(b, zeros));
     t.doneUs = std::make_shared<std::atomic<int64_t>>(0);
     auto done = t.doneUs;

@@ -44,6 +44,7 @@ struct BucketTimes {
   bool sparse = false;
   bool backendMemory = false;  // the buffer came from Backend::allocateTensor
   bool fusedAverage = false;   // averaged inside the reduction (myccl's scaled sum)
+  size_t gradCopies = 0;       // gradients copied into the bucket this iteration (the rest already lived there)
   int64_t readyUs = 0;         // its last gradient arrived
   int64_t launchUs = 0;        // its allreduce / comm hook was started
   // Written by the future's callback, which may run after the waiter has woken up.
@@ -93,6 +94,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Benchmarks: turn the fused average (fusedAverage) off to measure what it saves. Every rank
   // must set the same (ranks that differ get an error from the reduction, not wrong sums).
   void setFusedAverage(bool on);
+  // Benchmarks and tests: without gradient_as_bucket_view, keep .grad tensors in memory of
+  // their own (torch's layout: a copy into the bucket and back every iteration) instead of
+  // slot aliases (gradInSlot). Turning it off gives every aliased gradient its own copy.
+  void setGradAlias(bool on);
 
   // Before the first backward only; once.
   void registerCommHook(std::shared_ptr<CommHook> hook);
@@ -138,6 +143,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool globallyUnused(size_t index);
   int64_t divFactor();
   bool fusedAverage(const Bucket& bucket);
+  bool gradInSlot(const Bucket& bucket) const;
   void waitAllQuietly();
   void endIteration();
   std::string describe(const std::vector<size_t>& indices) const;
@@ -180,6 +186,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool joinStaticWorld_ = true;
   bool shadowing_ = false;       // a joined rank mirroring the others' reductions (with zeros)
   bool allowFused_ = true;       // setFusedAverage
+  bool allowAlias_ = true;       // setGradAlias
   IterationStats current_;
 
   // ---- unused-parameter bookkeeping ----
