@@ -114,10 +114,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     one bucket until it has seen an iteration); with ``find_unused_parameters=False`` a parameter
     that gets no gradient raises at the end of that same backward, naming it, instead of at the
     next forward after the optimizer has stepped; ``bucket_stats()`` gives per-bucket timings.
-    Without ``gradient_as_bucket_view`` (CPU, ``find_unused_parameters=False``), each ``.grad``
-    is a tensor with a storage of its own, not a view, placed over its slot in the bucket, so
-    gradients are accumulated and averaged where they are reduced instead of being copied into
-    the bucket and back every step (``reducer.set_grad_alias(False)`` restores the copies).
+    Without ``gradient_as_bucket_view`` (on CPU), each ``.grad`` is a tensor with a storage of
+    its own, not a view, placed over its slot in the bucket, so gradients are accumulated and
+    averaged where they are reduced instead of being copied into the bucket and back every step
+    (``reducer.set_grad_alias(False)`` restores the copies).
     """
 
     def __init__(

@@ -408,7 +408,17 @@ void Reducer::autogradHook(size_t index, bool gotGradient) {
 void Reducer::markUnusedOnce() {
   if (unusedMarked_) return;
   unusedMarked_ = true;
-  for (int64_t i : unused_) markReady(static_cast<size_t>(i));
+  for (int64_t i : unused_) {
+    // A parameter unused here may be unused everywhere, and then its .grad must come out of
+    // this iteration as it went in: a slot alias would be reduced with its bucket, so it gets
+    // memory of its own first (its value still goes into the slot, as torch's copy would).
+    at::Tensor& grad = params_[i].mutable_grad();
+    const Locator loc = where_[i];
+    const Bucket& b = buckets_[loc.bucket];
+    if (!opts_.gradientAsBucketView && grad.defined() && !b.sparse && inSlot(grad, b.views[loc.slot]))
+      grad = grad.clone();
+    markReady(static_cast<size_t>(i));
+  }
 }
 
 // Average inside the reduction (myccl's scaled sum: sum of round(g * 1/d)) instead of scaling
@@ -427,10 +437,7 @@ bool Reducer::fusedAverage(const Bucket& bucket) {
 }
 
 bool Reducer::gradInSlot(const Bucket& bucket) const {
-  // Not with find_unused_parameters: a globally unused parameter keeps its .grad as it was,
-  // and an alias would be reduced with its bucket.
-  return allowAlias_ && !opts_.gradientAsBucketView && !opts_.findUnusedParameters && !bucket.sparse &&
-         bucket.buffer.device().is_cpu();
+  return allowAlias_ && !opts_.gradientAsBucketView && !bucket.sparse && bucket.buffer.device().is_cpu();
 }
 
 int64_t Reducer::divFactor() {
@@ -501,7 +508,7 @@ void Reducer::markDense(Bucket& bucket, size_t slot, size_t index) {
   }
   if (opts_.gradientAsBucketView)
     grad = view;
-  else if (gradInSlot(bucket) && !grad.requires_grad())
+  else if (gradInSlot(bucket) && gotGradient_[index] && !grad.requires_grad())
     grad = slotAlias(view, bucket.buffer);  // from the next iteration on, no copy either way
 }
 
