@@ -412,11 +412,7 @@ void Reducer::markUnusedOnce() {
     // A parameter unused here may be unused everywhere, and then its .grad must come out of
     // this iteration as it went in: a slot alias would be reduced with its bucket, so it gets
     // memory of its own first (its value still goes into the slot, as torch's copy would).
-    at::Tensor& grad = params_[i].mutable_grad();
-    const Locator loc = where_[i];
-    const Bucket& b = buckets_[loc.bucket];
-    if (!opts_.gradientAsBucketView && grad.defined() && !b.sparse && inSlot(grad, b.views[loc.slot]))
-      grad = grad.clone();
+    unalias(static_cast<size_t>(i));
     markReady(static_cast<size_t>(i));
   }
 }
@@ -434,6 +430,14 @@ bool Reducer::fusedAverage(const Bucket& bucket) {
   if (st != at::kFloat && st != at::kDouble) return false;
   const int64_t d = divFactor();
   return d > 1 && (d & (d - 1)) == 0;
+}
+
+void Reducer::unalias(size_t index) {
+  if (opts_.gradientAsBucketView) return;
+  at::Tensor& grad = params_[index].mutable_grad();
+  const Locator loc = where_[index];
+  const Bucket& b = buckets_[loc.bucket];
+  if (grad.defined() && !b.sparse && inSlot(grad, b.views[loc.slot])) grad = grad.clone();
 }
 
 bool Reducer::gradInSlot(const Bucket& bucket) const {
@@ -694,9 +698,7 @@ void Reducer::finalizeBackward() {
         if (b.sparse) {
           b.sparseGrad = emptySparseLike(params_[i]);
         } else {
-          // A slot alias keeps its value in memory of its own before its slot is zeroed.
-          at::Tensor& grad = params_[i].mutable_grad();
-          if (!opts_.gradientAsBucketView && grad.defined() && inSlot(grad, b.views[loc.slot])) grad = grad.clone();
+          unalias(i);  // a slot alias keeps its value before its slot is zeroed
           b.views[loc.slot].zero_();
         }
         if (--b.pending == 0) b.times.readyUs = Recorder::nowUs();
@@ -780,11 +782,7 @@ void Reducer::setGradAlias(bool on) {
   allowAlias_ = on;
   if (on || opts_.gradientAsBucketView) return;
   at::NoGradGuard noGrad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor& grad = params_[i].mutable_grad();
-    const Bucket& b = buckets_[where_[i].bucket];
-    if (grad.defined() && !b.sparse && inSlot(grad, b.views[where_[i].slot])) grad = grad.clone();
-  }
+  for (size_t i = 0; i < params_.size(); ++i) unalias(i);
 }
 
 void Reducer::shadowBackward() {

@@ -144,6 +144,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t divFactor();
   bool fusedAverage(const Bucket& bucket);
   bool gradInSlot(const Bucket& bucket) const;
+  // A slot alias as .grad of parameter `index` gets memory of its own (same value).
+  void unalias(size_t index);
   void waitAllQuietly();
   void endIteration();
   std::string describe(const std::vector<size_t>& indices) const;
