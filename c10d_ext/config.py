@@ -105,9 +105,11 @@ VARS: list[Var] = [
         "DETAIL: check every op's fingerprint (op, sizes, dtype, root) across ranks before running it"),
     Var("MYCCL_TCP_EAGER_BYTES", "tcp_eager_bytes", _bytes, 64 * 1024,
         "TCP messages up to this size are sent at once; larger ones wait until the receiver is ready"),
-    Var("MYCCL_LOCAL_EAGER_BYTES", "local_eager_bytes", _bytes, 256 * 1024,
-        "point-to-point messages to a rank on this host up to this size go through the socket at once; "
-        "larger ones are copied straight out of the sender's memory once the receiver is ready"),
+    Var("MYCCL_LOCAL_EAGER_BYTES", "local_eager_bytes", _bytes, 1024 * 1024,
+        "point-to-point messages to a rank on this host up to this size (4 MiB at most) are sent at "
+        "once through one of 4 shared-memory slots per peer (from 16 KiB, when one is free; each "
+        "slot gets its pages on first use); larger ones, and those that find no free slot, are "
+        "copied straight out of the sender's memory once the receiver is ready. Same on every rank"),
     Var("MYCCL_COPY_THREADS", "copy_threads", _int(1, 16), 2,
         "threads that copy one large message from a rank on this host (from 1 MiB); its sender is "
         "blocked meanwhile, so a second thread runs on the core the sender leaves idle (1: the "

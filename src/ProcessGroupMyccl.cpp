@@ -115,6 +115,9 @@ void annotate(OpInfo& i, const at::Tensor& t, int64_t root, const char* redop) {
   if (redop) i.redop = redop;
 }
 
+// Every rank commits up to ShmGroup::kMailboxSlots slots of this size per local peer.
+constexpr int64_t kMaxMailboxSlotBytes = 4 << 20;
+
 }  // namespace
 
 MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -163,7 +166,6 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     setup.directPeers.resize(size);
     for (int r = 0; r < size; ++r) setup.directPeers[r] = r != rank && topo_.sameHost(rank, r);
   }
-  auto transport = std::make_shared<cpu::TcpTransport>(*store_, prefix + "tcp/", setup, token);
   std::shared_ptr<cpu::ShmGroup> shm;
   // Shared memory among this host's ranks of the group (all of them, or one level of a
   // hierarchical group that spans hosts).
@@ -174,6 +176,9 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     so.stagingBytes = static_cast<size_t>(cfg_.shmBufferBytes);
     so.spinUs = cfg_.spinUs;
     so.timeout = timeout;
+    // Mailbox slots for local messages up to the eager limit (kMaxMailboxSlotBytes at most:
+    // every rank commits kMailboxSlots of them per local peer).
+    so.mailboxSlotBytes = static_cast<size_t>(std::clamp<int64_t>(cfg_.localEagerBytes, 0, kMaxMailboxSlotBytes));
     try {
       shm = std::make_shared<cpu::ShmGroup>(*store_, prefix, so);
     } catch (const cpu::ShmUnavailable& e) {
@@ -185,6 +190,10 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   MYCCL_CHECK_ARG(cfg_.transport != "shm" || topo_.singleHost(), "init (rank ", rank,
                   "): MYCCL_TRANSPORT=shm but the group spans ", topo_.crossSize, " hosts");
+  // Made after shared memory, which it may use for local messages: its epoll thread starts
+  // with the mailbox in place, so no announcement can arrive before there is one.
+  if (shm && shm->mailboxSlotBytes() > 0) setup.mailbox = std::make_shared<cpu::ShmMailbox>(shm);
+  auto transport = std::make_shared<cpu::TcpTransport>(*store_, prefix + "tcp/", setup, token);
   recorder_ = std::make_shared<Recorder>(group_, rank, size,
                                          static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)),
                                          cfg_.flightRecorderDump);

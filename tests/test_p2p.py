@@ -20,7 +20,9 @@ from expect import make
 from harness import Report, assert_reports
 
 EAGER = 64 * 1024  # MYCCL_TCP_EAGER_BYTES
-LOCAL_EAGER = 256 * 1024  # MYCCL_LOCAL_EAGER_BYTES: peers on this host
+LOCAL_EAGER = 1024 * 1024  # MYCCL_LOCAL_EAGER_BYTES: peers on this host (shared-memory mailbox slots)
+MAILBOX_MIN = 16 * 1024  # local messages from this size up to LOCAL_EAGER use a free mailbox slot
+MAILBOX_SLOTS = 4  # per ordered pair of local ranks
 STRIPE = 512 * 1024  # TCP messages from this size to peers on other hosts use every socket to them
 
 
@@ -103,7 +105,8 @@ def test_send_recv_basics(run):
 
 def body_direct_copies(ctx, transport):
     """Large messages between ranks of one host: copied straight from the sender's memory
-    (stats say "direct") unless TCP is forced; small ones always go over the socket."""
+    (stats say "direct") unless TCP is forced; mid-size ones go through a shared-memory mailbox
+    slot, small ones over the socket."""
     import c10d_ext
 
     ctx.init(timeout=30, pg_options=c10d_ext.Options(transport=transport))
@@ -111,7 +114,8 @@ def body_direct_copies(ctx, transport):
     r, peer = ctx.rank, 1 - ctx.rank
     limit = LOCAL_EAGER if transport == "auto" else EAGER
     # at the eager limit, just past it, 12 MB, tiny: which path each took is in the stats
-    for numel, path in [(limit // 4, "tcp"), (limit // 4 + 1, None), (3 * 1024 * 1024 + 5, None), (12, "tcp")]:
+    at_limit = "mailbox" if transport == "auto" else "tcp"
+    for numel, path in [(limit // 4, at_limit), (limit // 4 + 1, None), (3 * 1024 * 1024 + 5, None), (12, "tcp")]:
         c10d_ext.reset_stats()
         got = torch.empty(numel)
         ws = dist.isend(payload(r, 5, numel), dst=peer, tag=5)
@@ -211,6 +215,151 @@ def test_striped_messages(run):
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_direct_copies_between_local_ranks(run, transport):
     assert_reports(run(2, body_direct_copies, transport, timeout=60))
+
+
+def _paths(stats, side: str) -> dict:
+    """{path: count} of this rank's sends or receives in c10d_ext.stats()."""
+    return {k.split("/")[1]: v["count"] for k, v in stats.items() if k.startswith(side + "/")}
+
+
+def body_mailbox(ctx):
+    """Mid-size messages between ranks of one host go through shared-memory mailbox slots:
+    every byte right around the size limits; more messages in flight than slots (the rest fall
+    back to the socket or a direct copy) still arrive in order per tag; a sender may reuse its
+    buffer as soon as its send completes; a receive of the wrong size fails alone and frees the
+    slot (all slots are usable afterwards); receive-from-any takes mailbox messages too."""
+    import c10d_ext
+
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    r, n = ctx.rank, ctx.size
+    right, left = (r + 1) % n, (r - 1) % n
+    # a ring: every rank sends and receives, sizes around the mailbox's lower and upper limits
+    for nbytes in [MAILBOX_MIN - 1, MAILBOX_MIN, MAILBOX_MIN + 3, 300_001, LOCAL_EAGER - 1, LOCAL_EAGER]:
+        dist.barrier()
+        c10d_ext.reset_stats()
+        got = torch.full((nbytes,), 7, dtype=torch.uint8)
+        ws = dist.isend(payload(r, 1, nbytes, torch.uint8), dst=right, tag=1)
+        dist.recv(got, src=left, tag=1)
+        ws.wait()
+        rep.check(torch.equal(got, payload(left, 1, nbytes, torch.uint8)), f"ring {nbytes} bytes")
+        want = {"tcp": 1} if nbytes < MAILBOX_MIN else {"mailbox": 1}
+        st = c10d_ext.stats()
+        rep.check(_paths(st, "send") == want and _paths(st, "recv") == want, f"{nbytes} bytes went by {want}: {st}")
+    dist.barrier()
+    # rank 0 -> 1: twice as many messages as slots before rank 1 receives any; each tag's
+    # messages must come out in the order sent, whatever path each took
+    if r < 2:
+        c10d_ext.reset_stats()
+        sizes = [(k % 3) * 150_000 + 20_000 + k for k in range(2 * MAILBOX_SLOTS)]  # 20 KB .. 320 KB
+        tags = [10 + k % 2 for k in range(len(sizes))]
+        if r == 0:
+            works = [dist.isend(payload(0, k, sizes[k], torch.uint8), dst=1, tag=tags[k]) for k in range(len(sizes))]
+            mine = _paths(c10d_ext.stats(), "send")
+            rep.check(mine.get("mailbox") == MAILBOX_SLOTS, f"the first {MAILBOX_SLOTS} sends took the slots: {mine}")
+            for w in works:
+                w.wait()
+        else:
+            time.sleep(0.3)
+            bufs = [torch.empty(sizes[k], dtype=torch.uint8) for k in range(len(sizes))]
+            # the odd tag's messages first, each tag in send order
+            order = [k for k in range(len(sizes)) if tags[k] == 11] + [k for k in range(len(sizes)) if tags[k] == 10]
+            works = [dist.irecv(bufs[k], src=0, tag=tags[k]) for k in order]
+            for w in works:
+                w.wait()
+            bad = [k for k in range(len(sizes)) if not torch.equal(bufs[k], payload(0, k, sizes[k], torch.uint8))]
+            rep.check(not bad, f"messages {bad} of {len(sizes)} wrong or out of order")
+            got = _paths(c10d_ext.stats(), "recv")
+            rep.check(got.get("mailbox") == MAILBOX_SLOTS and sum(got.values()) == len(sizes),
+                      f"{MAILBOX_SLOTS} via the slots, the rest another way: {got}")
+    dist.barrier()
+    # the sender's buffer is free once its send completed: overwrite it before the receive
+    if r == 0:
+        buf = payload(0, 20, 200_000, torch.uint8).clone()
+        dist.send(buf, dst=1, tag=20)
+        buf.zero_()
+    elif r == 1:
+        time.sleep(0.2)
+        got = torch.empty(200_000, dtype=torch.uint8)
+        dist.recv(got, src=0, tag=20)
+        rep.check(torch.equal(got, payload(0, 20, 200_000, torch.uint8)), "buffer reused after the send completed")
+    dist.barrier()
+    # a receive of the wrong size fails alone; then all the slots still work
+    if r == 0:
+        dist.send(payload(0, 30, 100_000, torch.uint8), dst=1, tag=30)
+    elif r == 1:
+        time.sleep(0.2)
+        guard = torch.full((200_020,), 9, dtype=torch.uint8)
+        try:
+            dist.recv(guard[10:200_010], src=0, tag=30)
+            rep.fail("a 100000-byte message received into 200000 bytes raised nothing")
+        except RuntimeError as e:
+            rep.check("100000" in str(e) and "200000" in str(e), f"the error gives both sizes: {str(e)[:300]}")
+        rep.check(bool((guard == 9).all()), "the refused message wrote into the receive buffer")
+    dist.barrier()
+    if r < 2:
+        c10d_ext.reset_stats()
+        if r == 0:
+            works = [dist.isend(payload(0, 40 + k, 50_000, torch.uint8), dst=1, tag=40 + k) for k in range(MAILBOX_SLOTS)]
+            for w in works:
+                w.wait()
+        else:
+            time.sleep(0.2)
+            for k in range(MAILBOX_SLOTS):
+                got = torch.empty(50_000, dtype=torch.uint8)
+                dist.recv(got, src=0, tag=40 + k)
+                rep.check(torch.equal(got, payload(0, 40 + k, 50_000, torch.uint8)), f"message {k} after the mismatch")
+            got = _paths(c10d_ext.stats(), "recv")
+            rep.check(got == {"mailbox": MAILBOX_SLOTS}, f"every slot free again after the mismatch: {got}")
+    dist.barrier()
+    # receive-from-any: rank 0 takes one mailbox message from every other rank
+    if r == 0:
+        seen = set()
+        for _ in range(n - 1):
+            got = torch.empty(70_000, dtype=torch.uint8)
+            src = dist.recv(got, tag=50)
+            rep.check(torch.equal(got, payload(src, 50, 70_000, torch.uint8)), f"any-source message from {src}")
+            seen.add(src)
+        rep.check(seen == set(range(1, n)), f"any-source senders {sorted(seen)}")
+    else:
+        dist.send(payload(r, 50, 70_000, torch.uint8), dst=0, tag=50)
+    y = torch.ones(3)
+    dist.all_reduce(y)
+    rep.check(torch.equal(y, torch.full((3,), float(n))), "all_reduce after the mailbox traffic")
+    return rep.result()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mailbox(run, world):
+    assert_reports(run(world, body_mailbox, timeout=90))
+
+
+def body_mailbox_geometry_mismatch(ctx):
+    """Ranks that disagree about MYCCL_LOCAL_EAGER_BYTES (the slot size) must not read each
+    other's segments with the wrong layout: the group falls back to TCP between them and every
+    message still arrives whole."""
+    import c10d_ext
+
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    r, peer = ctx.rank, 1 - ctx.rank
+    g = dist.new_group(backend="myccl", pg_options=c10d_ext.Options(local_eager_bytes=(256 << 10) * (r + 1)))
+    for nbytes in [20_000, 200_000, 300_000, 600_000]:
+        c10d_ext.reset_stats(g)
+        got = torch.empty(nbytes, dtype=torch.uint8)
+        ws = dist.isend(payload(r, 60, nbytes, torch.uint8), dst=peer, tag=60, group=g)
+        dist.recv(got, src=peer, tag=60, group=g)
+        ws.wait()
+        rep.check(torch.equal(got, payload(peer, 60, nbytes, torch.uint8)), f"{nbytes} bytes with unequal slot sizes")
+        rep.check("mailbox" not in _paths(c10d_ext.stats(g), "recv"), f"no mailbox between unequal ranks: {c10d_ext.stats(g)}")
+    y = torch.ones(2)
+    dist.all_reduce(y, group=g)
+    rep.check(torch.equal(y, torch.full((2,), 2.0)), "all_reduce on the fallback group")
+    return rep.result()
+
+
+def test_mailbox_geometry_mismatch(run):
+    assert_reports(run(2, body_mailbox_geometry_mismatch, timeout=60))
 
 
 def body_out_of_order_tags(ctx):

@@ -26,9 +26,11 @@ struct Config {
   bool debugDetail = false;
   // Messages up to this size are sent eagerly; larger ones wait for the receiver (TCP).
   int64_t tcpEagerBytes = 64 * 1024;
-  // The same for peers on this host whose large messages are copied directly (process_vm_readv):
-  // below this size the socket's two copies cost less than the direct copy's three hand-offs.
-  int64_t localEagerBytes = 256 * 1024;
+  // The same for peers on this host: up to this size (from 16 KiB) a message is copied into a
+  // shared-memory mailbox slot and sent at once; larger ones, and those that find every slot
+  // full, are copied directly out of the sender's memory (process_vm_readv), whose three
+  // hand-offs cost more than two in-cache copies below about 1 MiB. Also the slot size.
+  int64_t localEagerBytes = 1024 * 1024;
   // Threads that copy one large direct message (process_vm_readv); the sender waits meanwhile,
   // so a second thread uses the core it leaves idle.
   int copyThreads = 2;

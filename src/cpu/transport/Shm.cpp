@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "myccl/Log.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 
 namespace myccl::cpu {
@@ -58,7 +59,8 @@ int usableCpus() {
 
 // ---- segments ------------------------------------------------------------------------------
 
-std::unique_ptr<ShmSegment> ShmSegment::create(size_t size) {
+std::unique_ptr<ShmSegment> ShmSegment::create(size_t size, size_t commitBytes) {
+  commitBytes = std::min(commitBytes, size);
   for (int attempt = 0; attempt < 8; ++attempt) {
     // The creator's pid tells a leaked segment's owner; the random part makes it unguessable.
     std::string name = "/myccl-" + std::to_string(getpid()) + "-" + randomHex(12);
@@ -70,16 +72,16 @@ std::unique_ptr<ShmSegment> ShmSegment::create(size_t size) {
     int err = 0;
     if (ftruncate(fd, static_cast<off_t>(size)) != 0) err = errno;
     // Real pages now: a full /dev/shm must fail here, not as SIGBUS on first touch.
-    if (!err) err = posix_fallocate(fd, 0, static_cast<off_t>(size));
+    if (!err && commitBytes > 0) err = posix_fallocate(fd, 0, static_cast<off_t>(commitBytes));
     void* base = err ? MAP_FAILED : mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (!err && base == MAP_FAILED) err = errno;
-    ::close(fd);
+    if (err || commitBytes == size) ::close(fd), fd = -1;
     if (err) {
       shm_unlink(name.c_str());
-      MYCCL_CHECK(false, "shared memory: cannot allocate ", size, " bytes in /dev/shm: ", strerror(err),
+      MYCCL_CHECK(false, "shared memory: cannot allocate ", commitBytes, " bytes in /dev/shm: ", strerror(err),
                   " (free space in /dev/shm, lower MYCCL_SHM_BUFFER_BYTES, or set MYCCL_TRANSPORT=tcp)");
     }
-    return std::unique_ptr<ShmSegment>(new ShmSegment(name, base, size, true));
+    return std::unique_ptr<ShmSegment>(new ShmSegment(name, base, size, true, fd));
   }
   MYCCL_CHECK(false, "shared memory: could not find a free segment name");
 }
@@ -100,7 +102,15 @@ std::unique_ptr<ShmSegment> ShmSegment::open(const std::string& name, size_t siz
   return std::unique_ptr<ShmSegment>(new ShmSegment(name, base, size, false));
 }
 
+bool ShmSegment::commit(size_t offset, size_t len) {
+  if (fd_ < 0) return true;  // created fully committed
+  const int err = posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(len));
+  errno = err;
+  return err == 0;
+}
+
 ShmSegment::~ShmSegment() {
+  if (fd_ >= 0) ::close(fd_);
   if (owner_) unlink();
   if (base_) munmap(base_, size_);
 }
@@ -119,7 +129,9 @@ struct alignas(64) ShmGroup::Ctrl {
   std::atomic<uint32_t> waiters;  // processes sleeping on `seq`
   uint32_t magic;
   int32_t pid;
-  char pad0[48];
+  uint64_t staging;      // geometry, checked by every peer that maps this segment
+  uint64_t mailboxSlot;
+  char pad0[32];
   StepDesc desc[4];        // desc[s % 4]: what this rank runs at step s (peers are <= 1 step apart)
   uint64_t scratch[2][4];  // per-step words peers read, by step parity
   // Registered memory: segments peers may map to read this rank's tensors in place.
@@ -136,7 +148,14 @@ struct alignas(64) ShmGroup::Ctrl {
 ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
     : rank_(opts.rank), size_(static_cast<int>(opts.groupRanks.size())), groupRanks_(opts.groupRanks) {
   staging_ = (std::max<size_t>(opts.stagingBytes, 4096) + 4095) / 4096 * 4096;
-  segBytes_ = kCtrlBytes + 2 * staging_;
+  if (size_ > 1 && opts.mailboxSlotBytes > 0) {
+    mailboxSlot_ = (opts.mailboxSlotBytes + 4095) / 4096 * 4096;
+    // One cache line per state word: a receiver freeing one slot does not disturb the sender
+    // filling the next.
+    mailboxStates_ = (static_cast<size_t>(size_) * kMailboxSlots * 64 + 4095) / 4096 * 4096;
+  }
+  segBytes_ = kCtrlBytes + 2 * staging_ + mailboxStates_ +
+              static_cast<size_t>(size_ > 1 ? size_ - 1 : 0) * kMailboxSlots * mailboxSlot_;
   const int cpus = usableCpus();
   if (opts.spinUs >= 0) {
     spinNs_ = opts.spinUs * 1000;
@@ -168,13 +187,16 @@ ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
   };
   std::string failure;
   try {
-    mine_ = ShmSegment::create(segBytes_);
+    // The mailbox slots get their pages when first used (ShmMailbox::put).
+    mine_ = ShmSegment::create(segBytes_, kCtrlBytes + 2 * staging_ + mailboxStates_);
     auto* c = reinterpret_cast<Ctrl*>(mine_->data());
     new (c) Ctrl();
     c->seq.store(0);
     c->waiters.store(0);
     c->magic = kCtrlMagic;
     c->pid = getpid();
+    c->staging = staging_;
+    c->mailboxSlot = mailboxSlot_;
   } catch (const std::exception& e) {
     failure = e.what();
   }
@@ -190,6 +212,10 @@ ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
       peers_[r] = ShmSegment::open(names[r], segBytes_);
       bases_[r] = peers_[r]->data();
       MYCCL_CHECK(ctrl(r)->magic == kCtrlMagic, "shared memory: segment of rank ", groupRanks_[r], " is not initialised");
+      MYCCL_CHECK(ctrl(r)->staging == staging_ && ctrl(r)->mailboxSlot == mailboxSlot_, "shared memory: rank ",
+                  groupRanks_[r], " uses staging buffers of ", ctrl(r)->staging, " bytes and mailbox slots of ",
+                  ctrl(r)->mailboxSlot, ", this rank ", staging_, " and ", mailboxSlot_,
+                  " (MYCCL_SHM_BUFFER_BYTES and MYCCL_LOCAL_EAGER_BYTES must be the same on every rank)");
     }
   } catch (const std::exception& e) {
     failure = e.what();
@@ -221,6 +247,85 @@ char* ShmGroup::buffer(int r, int which) const {
 
 uint64_t* ShmGroup::scratch(int r, uint32_t step) const {
   return ctrl(r)->scratch[step & 1];
+}
+
+std::atomic<uint32_t>* ShmGroup::mailboxState(int owner, int dest, int k) const {
+  char* states = bases_[owner] + kCtrlBytes + 2 * staging_;
+  return reinterpret_cast<std::atomic<uint32_t>*>(states + (static_cast<size_t>(dest) * kMailboxSlots + k) * 64);
+}
+
+char* ShmGroup::mailboxData(int owner, int dest, int k) const {
+  const int d = dest < owner ? dest : dest - 1;  // no slots to oneself
+  return bases_[owner] + kCtrlBytes + 2 * staging_ + mailboxStates_ +
+         (static_cast<size_t>(d) * kMailboxSlots + k) * mailboxSlot_;
+}
+
+bool ShmGroup::commitMailbox(int dest, int k) {
+  const size_t off = static_cast<size_t>(mailboxData(rank_, dest, k) - bases_[rank_]);
+  return mine_->commit(off, mailboxSlot_);
+}
+
+// ---- mailbox -------------------------------------------------------------------------------
+
+namespace {
+// kSlotOff: /dev/shm had no room for the slot's pages; it is never used.
+constexpr uint32_t kSlotFree = 0, kSlotFilling = 1, kSlotFull = 2, kSlotOff = 3;
+}
+
+ShmMailbox::ShmMailbox(std::shared_ptr<ShmGroup> group) : group_(std::move(group)) {
+  int maxRank = -1;
+  for (int l = 0; l < group_->size(); ++l) maxRank = std::max(maxRank, group_->groupRank(l));
+  local_.assign(maxRank + 1, -1);
+  for (int l = 0; l < group_->size(); ++l)
+    if (l != group_->rank()) local_[group_->groupRank(l)] = l;
+  committed_.assign(static_cast<size_t>(group_->size()) * ShmGroup::kMailboxSlots, 0);
+}
+
+std::atomic<uint32_t>* ShmMailbox::state(int owner, int dest, int slot) const {
+  return group_->mailboxState(owner, dest, slot);
+}
+
+int ShmMailbox::put(int peer, const void* data, size_t n) {
+  const int me = group_->rank(), to = local_[peer];
+  for (int k = 0; k < ShmGroup::kMailboxSlots; ++k) {
+    uint32_t expect = kSlotFree;
+    // Several threads may send to one peer at once: the exchange gives each slot one owner.
+    if (!state(me, to, k)->compare_exchange_strong(expect, kSlotFilling, std::memory_order_acquire)) continue;
+    char& committed = committed_[static_cast<size_t>(to) * ShmGroup::kMailboxSlots + k];
+    if (!committed) {
+      if (!group_->commitMailbox(to, k)) {
+        logOnce("shm-mailbox-full", LogLevel::Warning,
+                std::string("no room in /dev/shm for a point-to-point slot (") + strerror(errno) +
+                    "); those messages go through TCP");
+        state(me, to, k)->store(kSlotOff, std::memory_order_release);
+        continue;
+      }
+      committed = 1;
+    }
+    std::memcpy(group_->mailboxData(me, to, k), data, n);
+    state(me, to, k)->store(kSlotFull, std::memory_order_release);
+    return k;
+  }
+  return -1;
+}
+
+void ShmMailbox::unclaim(int peer, int slot) {
+  state(group_->rank(), local_[peer], slot)->store(kSlotFree, std::memory_order_release);
+}
+
+bool ShmMailbox::holds(int peer, int slot) const {
+  return reaches(peer) && slot >= 0 && slot < ShmGroup::kMailboxSlots &&
+         state(local_[peer], group_->rank(), slot)->load(std::memory_order_acquire) == kSlotFull;
+}
+
+void ShmMailbox::take(int peer, int slot, void* dst, size_t n) {
+  const int from = local_[peer], me = group_->rank();
+  std::memcpy(dst, group_->mailboxData(from, me, slot), n);
+  state(from, me, slot)->store(kSlotFree, std::memory_order_release);
+}
+
+void ShmMailbox::drop(int peer, int slot) {
+  state(local_[peer], group_->rank(), slot)->store(kSlotFree, std::memory_order_release);
 }
 
 // ---- registered memory ---------------------------------------------------------------------

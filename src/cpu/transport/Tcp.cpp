@@ -10,13 +10,16 @@
 // confirms (DIRECT_ACK), and only then does the receive complete. A sender that failed and
 // may have reused its buffer never confirms, so a receive never completes with bytes read
 // from a buffer that was no longer the message. Where the kernel refuses (ptrace policy,
-// other pid namespace) the transfer falls back to the socket.
+// other pid namespace) the transfer falls back to the socket. Mid-size messages between ranks
+// of one host go through a shared-memory mailbox slot instead when one is free (MAILBOX: the
+// frame announces a slot the sender has filled; the receiver copies it out and frees it).
 // Between hosts, a message from kStripeMinBytes is cut into one contiguous part per lane: extra
 // data sockets to that peer, each read and written by its own thread (one TCP stream is bound
 // to about one core's worth of kernel work). The handshake stays on the control socket; the
 // receive completes when every lane has delivered its part.
 #include <pthread.h>
 #include "myccl/cpu/transport/Tcp.hpp"
+#include "myccl/cpu/transport/Shm.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -56,7 +59,12 @@ enum Kind : uint32_t {
   kDirectDone = 7,  // receiver -> sender: copied your message (id: send id, tag: receive id)
   kDirectAck = 8,   // sender -> receiver: the send was still live throughout (id: receive id)
   kStripe = 9,      // on a lane: one part of a message (id: receive id, tag: part, addr: offset)
+  kMailbox = 10,    // a message waiting in the sender's shared-memory slot (id: the slot)
 };
+
+// Local messages from this size up to the eager limit go through a shared-memory mailbox slot
+// when one is free. Below it the socket is as fast and the slots stay free for larger ones.
+constexpr size_t kMailboxMinBytes = 16 * 1024;
 
 // Messages from this size to a peer with lanes are spread over them; each part starts on a
 // page boundary of the message.
@@ -261,6 +269,7 @@ struct TcpTransport::Unexpected {
   Frame announced{};  // the announcement (for a direct copy)
   std::vector<char> data;
   bool complete = false;
+  int mailboxSlot = -1;  // >= 0: the payload waits in the sender's shared-memory slot
   uint64_t order = 0;
   std::shared_ptr<PostedRecv> waiter;  // matched while its payload was still arriving
 };
@@ -621,19 +630,37 @@ void TcpTransport::wake() {
 RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check) {
   auto req = std::make_shared<Request>(peer, tag, nbytes);
   std::vector<std::function<void()>> done;
+  // A local message that fits a free shared-memory slot is copied there now, outside the lock
+  // (the send is then complete as far as the caller's buffer goes); the frame announces it.
+  auto& mb = setup_.mailbox;
+  int slot = -1;
+  if (mb && nbytes >= kMailboxMinBytes && static_cast<int64_t>(nbytes) <= peers_[peer]->eagerBytes &&
+      nbytes <= mb->slotBytes() && mb->reaches(peer)) {
+    slot = mb->put(peer, data, nbytes);
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto& p = *peers_[peer];
     if (closed_ || p.dead) {
+      if (slot >= 0) mb->unclaim(peer, slot);
       req->fail(closed_ ? CommErrorKind::Aborted : CommErrorKind::PeerGone,
                 closed_ ? closeReason_ : p.deadReason, peer);
       return req;
     }
+    // With a mailbox, a local message that found no free slot is sent at once only if it is
+    // small: a larger one is announced and copied directly, which holds the sender back until
+    // the receiver has caught up (a loopback socket moves it at a third of that speed).
+    const int64_t eagerLimit = mb && mb->reaches(peer) ? setup_.eagerBytes : p.eagerBytes;
     auto item = std::make_unique<SendItem>();
     item->hdr.tag = tag;
     item->hdr.nbytes = nbytes;
     item->hdr.check = check;
-    if (static_cast<int64_t>(nbytes) <= p.eagerBytes) {
+    if (slot >= 0) {
+      item->hdr.magicKind = kMagic << 8 | kMailbox;
+      item->hdr.id = static_cast<uint64_t>(slot);
+      item->req = req;
+      req->setVia("mailbox");
+    } else if (static_cast<int64_t>(nbytes) <= eagerLimit) {
       item->hdr.magicKind = kMagic << 8 | kEager;
       item->data = static_cast<const char*>(data);
       item->nbytes = nbytes;
@@ -756,10 +783,15 @@ void TcpTransport::matchPostedLocked(const std::shared_ptr<PostedRecv>& pr,
     if (u->rts) {
       pushSend(bestPeer, SendItem::control(kNack, u->sendId, 0, pr->nbytes), done);
     }
+    if (u->mailboxSlot >= 0) setup_.mailbox->drop(bestPeer, u->mailboxSlot);
     return;
   }
   if (u->rts) {
     grantLocked(bestPeer, pr, u->sendId, u->announced, done);
+    return;
+  }
+  if (u->mailboxSlot >= 0) {
+    takeFromMailboxLocked(bestPeer, u->mailboxSlot, pr, done);
     return;
   }
   if (!u->complete) {
@@ -1130,6 +1162,36 @@ void TcpTransport::directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedR
   for (auto& f : done) f();
 }
 
+// Called with mu_ held when a message waiting in `peer`'s mailbox slot meets its receive: the
+// copy runs after the lock is released (on the thread that matched it), counted as a copy in
+// flight so that close() does not return while it writes into the caller's buffer.
+void TcpTransport::takeFromMailboxLocked(int peer, int slot, std::shared_ptr<PostedRecv> pr,
+                                         std::vector<std::function<void()>>& done) {
+  done.push_back([this, peer, slot, pr] {
+    std::string aborted;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (closed_) {
+        aborted = closeReason_;
+      } else {
+        ++copiesInFlight_;
+      }
+    }
+    if (!aborted.empty()) {
+      pr->req->fail(CommErrorKind::Aborted, aborted, peer);
+      return;
+    }
+    setup_.mailbox->take(peer, slot, pr->data, pr->nbytes);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (--copiesInFlight_ == 0) copiesIdle_.notify_all();
+    }
+    // Completed after the count drops: a completion callback may close the transport.
+    pr->req->setVia("mailbox");
+    pr->req->complete(peer);
+  });
+}
+
 void TcpTransport::pushSend(int peer, std::unique_ptr<SendItem> item, std::vector<std::function<void()>>& done) {
   auto& p = *peers_[peer];
   const bool wasIdle = p.sendq.empty();
@@ -1281,7 +1343,16 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
     p.inPayload = true;
   };
 
-  if (kind == kEager || kind == kRts) {
+  if (kind == kMailbox &&
+      !(setup_.mailbox && f.id < static_cast<uint64_t>(ShmGroup::kMailboxSlots) &&
+        f.nbytes <= setup_.mailbox->slotBytes() && setup_.mailbox->holds(peer, static_cast<int>(f.id)))) {
+    peerFailedLocked(peer,
+                     "protocol error: rank " + std::to_string(peer) + " announced a message in shared-memory slot " +
+                         std::to_string(f.id) + " that holds none",
+                     done);
+    return;
+  }
+  if (kind == kEager || kind == kRts || kind == kMailbox) {
     // Oldest posted receive that matches: per-peer list and receive-from-any compete by order.
     std::shared_ptr<PostedRecv> match;
     auto pit = p.posted.end();
@@ -1317,7 +1388,10 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
       u->announced = f;
       u->nbytes = f.nbytes;
       u->order = nextId_++;
-      if (kind == kEager) {
+      if (kind == kMailbox) {
+        u->mailboxSlot = static_cast<int>(f.id);
+        u->complete = true;
+      } else if (kind == kEager) {
         u->data.resize(f.nbytes);
         u->complete = (f.nbytes == 0);
         if (f.nbytes > 0) {
@@ -1339,6 +1413,8 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
       done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
       if (kind == kEager) {
         if (f.nbytes > 0) startDiscard(f.nbytes);
+      } else if (kind == kMailbox) {
+        setup_.mailbox->drop(peer, static_cast<int>(f.id));
       } else {
         pushSend(peer, SendItem::control(kNack, f.id, 0, match->nbytes), done);
       }
@@ -1346,6 +1422,10 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
     }
     if (kind == kRts) {
       grantLocked(peer, match, f.id, f, done);
+      return;
+    }
+    if (kind == kMailbox) {
+      takeFromMailboxLocked(peer, static_cast<int>(f.id), match, done);
       return;
     }
     if (f.nbytes == 0) {

@@ -1,5 +1,6 @@
 // Shared-memory transport for the ranks of one host. Each local rank owns one segment (mode
-// 0600, random name) holding its control block and two staging buffers; every local rank
+// 0600, random name) holding its control block, two staging buffers and its point-to-point
+// mailbox slots (ShmMailbox, committed on first use); every local rank
 // maps every segment, after which the names are unlinked, so nothing stays in /dev/shm even
 // if a process is killed. Ranks advance through numbered steps: a rank posts step s in its
 // control block after writing that step's data, and waits for the peers it reads from to
@@ -26,24 +27,28 @@ namespace myccl::cpu {
 class ShmSegment {
  public:
   // Creates a fresh segment with an unguessable name, mode 0600, backed by real pages
-  // (fallocate) so running out of /dev/shm is an error here and never a SIGBUS later.
-  static std::unique_ptr<ShmSegment> create(size_t size);
+  // (fallocate) so running out of /dev/shm is an error here and never a SIGBUS later. Only the
+  // first `commitBytes` get pages now; the rest must be commit()ted before it is touched.
+  static std::unique_ptr<ShmSegment> create(size_t size, size_t commitBytes = SIZE_MAX);
   static std::unique_ptr<ShmSegment> open(const std::string& name, size_t size);
   ~ShmSegment();
 
   void unlink();  // remove the name; the mapping stays valid
+  // Gives [offset, offset + len) real pages; false (errno set) if /dev/shm has no room.
+  bool commit(size_t offset, size_t len);
   char* data() const { return static_cast<char*>(base_); }
   size_t size() const { return size_; }
   const std::string& name() const { return name_; }
 
  private:
-  ShmSegment(std::string name, void* base, size_t size, bool owner)
-      : name_(std::move(name)), base_(base), size_(size), owner_(owner) {}
+  ShmSegment(std::string name, void* base, size_t size, bool owner, int fd = -1)
+      : name_(std::move(name)), base_(base), size_(size), owner_(owner), fd_(fd) {}
   std::string name_;
   void* base_ = nullptr;
   size_t size_ = 0;
   bool owner_ = false;
   bool linked_ = true;
+  int fd_ = -1;  // kept while part of the segment is not committed yet
 };
 
 // Raised (on every local rank alike) when some rank cannot set up shared memory.
@@ -67,7 +72,12 @@ class ShmGroup {
     size_t stagingBytes = 1 << 20;  // each of the two staging buffers per rank
     int64_t spinUs = -1;            // -1: adapt to ranks per core
     std::chrono::milliseconds timeout{30000};
+    // Bytes of each point-to-point mailbox slot (see ShmMailbox; 0: no mailbox). Every local
+    // rank must use the same value, like stagingBytes: a rank whose geometry differs fails
+    // the setup (and the group falls back to TCP).
+    size_t mailboxSlotBytes = 0;
   };
+  static constexpr int kMailboxSlots = 4;  // per ordered pair of local ranks
 
   // Collective over the local ranks: create, publish, map, unlink.
   ShmGroup(c10d::Store& store, const std::string& prefix, Options opts);
@@ -91,6 +101,15 @@ class ShmGroup {
   void wait(int peer, uint32_t step, Deadline deadline);
   void waitAll(uint32_t step, Deadline deadline);
   uint32_t lastStep() const { return step_; }
+
+  // ---- point-to-point mailbox slots (used through ShmMailbox) ----
+  size_t mailboxSlotBytes() const { return mailboxSlot_; }
+  // Slot `k` of messages from local rank `owner` to local rank `dest` (owner's segment), and
+  // its state word (0 free, 1 being filled, 2 holds a message the receiver has not taken).
+  char* mailboxData(int owner, int dest, int k) const;
+  // Gives this rank's slot to `dest` real pages (before its first use); false: no room.
+  bool commitMailbox(int dest, int k);
+  std::atomic<uint32_t>* mailboxState(int owner, int dest, int k) const;
 
   // ---- registered memory (zero copy) ----
   // A place in some rank's registered memory, as published to peers.
@@ -142,6 +161,8 @@ class ShmGroup {
   std::vector<Owned> owned_;
   std::vector<std::vector<Mapped>> mapped_;  // [peer][slot], engine thread only
   size_t staging_;
+  size_t mailboxSlot_ = 0;
+  size_t mailboxStates_ = 0;  // bytes of the state words' area, page-rounded
   size_t segBytes_;
   std::unique_ptr<ShmSegment> mine_;
   std::vector<std::unique_ptr<ShmSegment>> peers_;
@@ -154,6 +175,40 @@ class ShmGroup {
   std::atomic<bool> aborted_{false};
   mutable std::mutex abortMu_;
   std::string abortReason_;
+};
+
+// Point-to-point payloads between the ranks of one host, for the TCP transport: every rank
+// owns ShmGroup::kMailboxSlots slots per local peer in its segment. The sender claims a free
+// slot, copies its message in and announces it on its TCP link, which keeps the message order,
+// tag matching and liveness; the receiver copies it out and frees the slot. Two copies through
+// cache-resident memory instead of a loopback socket's kernel copies and wake-ups. Slots are a
+// fast path, never a queue: with none free a message goes over the socket as before.
+class ShmMailbox {
+ public:
+  explicit ShmMailbox(std::shared_ptr<ShmGroup> group);
+  size_t slotBytes() const { return group_->mailboxSlotBytes(); }
+  // Whether `peer` (a rank of the process group) has slots with this rank.
+  bool reaches(int peer) const { return peer >= 0 && peer < static_cast<int>(local_.size()) && local_[peer] >= 0; }
+  // Sender: claims a free slot to `peer` and copies `n` (<= slotBytes) bytes into it; -1 when
+  // every slot to that peer still holds a message.
+  int put(int peer, const void* data, size_t n);
+  // Sender: frees a slot it filled but could not announce.
+  void unclaim(int peer, int slot);
+  // Receiver: whether `slot` of messages from `peer` holds an announced message.
+  bool holds(int peer, int slot) const;
+  // Receiver: copies `n` bytes of the message in `slot` from `peer` to `dst` and frees the slot.
+  void take(int peer, int slot, void* dst, size_t n);
+  // Receiver: frees the slot without reading it (a receive that refused the message).
+  void drop(int peer, int slot);
+
+ private:
+  std::atomic<uint32_t>* state(int owner, int dest, int slot) const;
+  std::shared_ptr<ShmGroup> group_;
+  std::vector<int> local_;  // process-group rank -> local index (-1: another host)
+  // Whether this rank's slot [dest * kMailboxSlots + k] has its pages: each is committed on
+  // first use, so groups that send nothing point-to-point cost no memory. Touched only by the
+  // thread that holds the slot.
+  std::vector<char> committed_;
 };
 
 // Online CPUs this process may run on.

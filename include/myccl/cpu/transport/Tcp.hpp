@@ -19,13 +19,15 @@
 
 namespace myccl::cpu {
 
+class ShmMailbox;
+
 struct TcpSetup {
   int rank = 0;
   int size = 1;
   std::string bindAddress;      // IP the listener binds to; peers connect to it
   std::vector<std::string> peerAddresses;  // filled during setup (for messages)
   int64_t eagerBytes = 64 * 1024;
-  int64_t localEagerBytes = 256 * 1024;  // the eager limit for directPeers
+  int64_t localEagerBytes = 1024 * 1024;  // the eager limit for directPeers (mailbox or socket)
   int copyThreads = 2;                   // threads per large direct copy
   // Sockets a large message to a peer on another host is spread over (1: the one socket). From
   // 2, every such peer gets that many data sockets besides the control socket, one thread per
@@ -37,6 +39,9 @@ struct TcpSetup {
   // sender's memory (process_vm_readv, one copy) after the usual handshake; the socket only
   // carries the announcement and the acknowledgements.
   std::vector<char> directPeers;
+  // Shared-memory slots to this host's peers (null: none). Messages to them of kMailboxMinBytes
+  // up to the eager limit travel through a free slot; the socket carries only the announcement.
+  std::shared_ptr<ShmMailbox> mailbox;
 };
 
 class TcpTransport final : public Transport {
@@ -86,6 +91,8 @@ class TcpTransport final : public Transport {
                    std::vector<std::function<void()>>& done);
   void directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedRecv> pr, uint64_t sendId, uint64_t addr,
                   uint64_t pid);
+  void takeFromMailboxLocked(int peer, int slot, std::shared_ptr<PostedRecv> pr,
+                             std::vector<std::function<void()>>& done);
   void wake();
   // Lanes: extra data sockets to peers on other hosts (none when socketsPerPeer < 2).
   bool hasLanes(int peer) const;
