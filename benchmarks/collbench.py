@@ -11,6 +11,10 @@ them one after the other on the same tensors, and the backend that goes first ch
 to row, so none is favoured by running first or by where its buffers happen to lie in memory.
 The machine's single-core copy bandwidth is measured too, and every busbw is also printed as a
 fraction of it. Writes JSON (--out) and, if matplotlib is there, a PNG plot.
+
+send_recv is a stream (rank 0 sends, rank 1 receives, back to back); ping_pong is a round trip
+between ranks 0 and 1 where each waits for the other's message before it answers (time per
+round trip; its busbw counts both messages), the latency a pipeline stage sees.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 OPS = ["all_reduce", "all_reduce_bf16", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
-       "gather", "scatter", "send_recv", "barrier"]
+       "gather", "scatter", "send_recv", "ping_pong", "barrier"]
 
 
 # torch 2.14 renamed the tensor forms (all_gather_into_tensor -> all_gather_single, likewise for
@@ -59,9 +63,11 @@ def fmt_size(n: int) -> str:
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw = algbw x factor."""
+    """nccl-tests' busbw = algbw x factor (ping_pong: two messages per round trip)."""
     if op.startswith("all_reduce"):
         return 2 * (n - 1) / n
+    if op == "ping_pong":
+        return 2.0
     if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         return (n - 1) / n
     return 1.0
@@ -91,7 +97,7 @@ class Case:
         elif op in ("reduce_scatter", "scatter"):
             self.inp = new(count, dtype).fill_(rank + 1)
             self.out = new(blk, dtype)
-        elif op == "all_to_all":
+        elif op in ("all_to_all", "ping_pong"):
             self.inp = new(count, dtype).fill_(rank + 1)
             self.out = new(count, dtype)
         else:
@@ -126,6 +132,13 @@ class Case:
                 dist.send(self.inp, 1, group=g)
             elif self.rank == 1:
                 dist.recv(self.inp, 0, group=g)
+        elif op == "ping_pong":
+            if self.rank == 0:
+                dist.send(self.inp, 1, group=g)
+                dist.recv(self.out, 1, group=g)
+            elif self.rank == 1:
+                dist.recv(self.out, 0, group=g)
+                dist.send(self.inp, 0, group=g)
         elif op == "barrier":
             dist.barrier(group=g)
 
@@ -159,6 +172,8 @@ class Case:
             return bool((self.out == 1).all())
         if op == "send_recv":
             return r != 1 or bool((self.inp == 1).all())
+        if op == "ping_pong":
+            return r > 1 or bool((self.out == 2 - r).all())
         return True
 
 
@@ -259,7 +274,7 @@ def run_rank(rank: int, world: int, args, port: int, device_type: str) -> list[d
         kinds[label] = backend
     nb = len(args.backends)
     for op in args.ops:
-        if op == "send_recv" and world < 2:
+        if op in ("send_recv", "ping_pong") and world < 2:
             continue
         op_sizes = [0] if op == "barrier" else sizes
         for si, nbytes in enumerate(op_sizes):

@@ -126,7 +126,8 @@ VARS: list[Var] = [
         "results of at least this many bytes are written into the caller's tensors with streaming "
         "(cache-bypassing) stores; auto (-1): the last-level cache's size; off (0): never"),
     Var("MYCCL_SPIN_US", "spin_us", _int(-1), -1,
-        "how long a waiting thread spins before sleeping, in microseconds (-1: adapt to ranks per core)"),
+        "how long a waiting thread spins before sleeping, in microseconds (-1: adapt to ranks per core); "
+        "a point-to-point wait() yields its core for that long instead (-1: 50)"),
     Var("MYCCL_FLIGHT_RECORDER", "flight_recorder_entries", _int(0), 128,
         "ops each group remembers for the flight recorder (0 turns it off); dumped on a timeout, "
         "a fatal error, SIGUSR1 or c10d_ext.trace.dump()"),

@@ -2,6 +2,7 @@
 #include "myccl/Work.hpp"
 
 #include <c10/util/Exception.h>
+#include <sched.h>
 
 #include <sstream>
 
@@ -109,6 +110,12 @@ bool MycclWork::wait(std::chrono::milliseconds timeout) {
   }
   const bool userTimeout = timeout != kNoTimeout;
   const auto limit = userTimeout ? timeout : info_.timeout;
+  if (spin_.count() > 0 && !settled_.load(std::memory_order_acquire)) {
+    // Yielding, not busy-waiting: the thread that completes this work (the transport's epoll
+    // thread) may need this very core.
+    const auto until = std::chrono::steady_clock::now() + std::min<std::chrono::nanoseconds>(spin_, limit);
+    while (!settled_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) sched_yield();
+  }
   {
     std::unique_lock<std::mutex> lk(mutex_);
     if (!userTimeout && !bounded) {
@@ -184,6 +191,7 @@ void MycclWork::markDone(std::exception_ptr error) {
   // The future first (as gloo does): once wait() returns, the future's value is there too.
   settleFuture(error);
   finish(error);  // sets completed_/exception_, wakes waiters, closes the profiler range
+  settled_.store(true, std::memory_order_release);
   inputs_.clear();
 }
 

@@ -63,6 +63,10 @@ class MycclWork : public c10d::Work {
   // Point-to-point work: wait() without a timeout is bounded by the op's timeout (nothing else
   // would ever complete a receive whose sender never sends); `cancel` withdraws the request.
   void setCanceller(std::function<bool()> cancel);
+  // wait() first yields the core for up to this long (re-checking between yields) before it
+  // sleeps: a thread woken from a condition variable costs more than the message it waits for
+  // when the peer answers within microseconds (0: sleep at once).
+  void setSpinWait(std::chrono::nanoseconds spin) { spin_ = spin; }
 
  protected:
   // How markDone settles future_ (completed with the outputs, or failed). A subclass whose
@@ -80,6 +84,8 @@ class MycclWork : public c10d::Work {
   std::atomic<bool> started_{false};
   std::function<bool()> cancel_;
   bool bounded_ = false;
+  std::chrono::nanoseconds spin_{0};
+  std::atomic<bool> settled_{false};  // set once waiters may return (after finish())
 };
 
 // A Work that completes when all of its children have (coalescing, composite ops).

@@ -54,6 +54,10 @@ CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGr
     : transport_(std::move(transport)), shm_(std::move(shm)), topo_(topo), rank_(topo.rank), size_(topo.size),
       group_(std::move(group)), cfg_(cfg), recorder_(std::move(recorder)) {
   if (cfg_.numThreads > 1) par_ = std::make_unique<Parallel>(cfg_.numThreads);  // the op's own thread + helpers
+  // A point-to-point wait yields its core for a while before sleeping (MycclWork::wait):
+  // MYCCL_SPIN_US, -1 meaning 50 µs. Yielding gives the core to any thread that can run, so
+  // unlike a busy spin it is also right when ranks outnumber cores.
+  p2pSpin_ = std::chrono::microseconds(cfg_.spinUs >= 0 ? cfg_.spinUs : 50);
   if (cfg_.streamStoreBytes != 0)
     streamMinBytes_ = cfg_.streamStoreBytes < 0 ? streamCopyMinBytes() : static_cast<size_t>(cfg_.streamStoreBytes);
   if (shm_) {
@@ -656,6 +660,7 @@ CpuEngine::WorkPtr CpuEngine::send(OpInfo info, at::Tensor t, int peer, int tag)
   auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{t}, std::vector<at::Tensor>{t});
   at::Tensor c = t.contiguous();
   w->setCanceller([] { return false; });
+  w->setSpinWait(p2pSpin_);
   w->markStarted();
   auto req = transport_->isend(peer, p2pTag(tag), c.data_ptr(), c.numel() * c.element_size());
   P2PDone d{stats_, recorder_, recorder_->queued(w->info(), true), transport_->name()};
@@ -667,6 +672,7 @@ CpuEngine::WorkPtr CpuEngine::recv(OpInfo info, at::Tensor t, int peer, int tag)
   checkUsable(info);
   auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{t}, std::vector<at::Tensor>{t});
   auto s = Staged::of(t, false);
+  w->setSpinWait(p2pSpin_);
   w->markStarted();
   auto req = transport_->irecv(peer, p2pTag(tag), s.ptr(), s.nbytes());
   w->setCanceller(canceller(transport_, req));
@@ -682,6 +688,7 @@ CpuEngine::WorkPtr CpuEngine::recvAny(OpInfo info, at::Tensor t, int tag) {
   std::vector<int> peers;
   for (int r = 0; r < size_; ++r)
     if (r != rank_) peers.push_back(r);
+  w->setSpinWait(p2pSpin_);
   w->markStarted();
   auto req = transport_->irecvAny(peers, p2pTag(tag), s.ptr(), s.nbytes());
   w->setCanceller(canceller(transport_, req));

@@ -124,6 +124,7 @@ class CpuEngine {
   std::shared_ptr<ShmGroup> shm_;
   std::unique_ptr<Parallel> par_;
   size_t streamMinBytes_ = SIZE_MAX;  // MYCCL_STREAM_STORE_BYTES resolved (SIZE_MAX: never)
+  std::chrono::nanoseconds p2pSpin_{0};  // MYCCL_SPIN_US resolved for point-to-point waits
   const Topology topo_;
   const int rank_;
   const int size_;
