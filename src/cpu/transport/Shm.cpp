@@ -154,7 +154,7 @@ ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
     // filling the next.
     mailboxStates_ = (static_cast<size_t>(size_) * kMailboxSlots * 64 + 4095) / 4096 * 4096;
   }
-  segBytes_ = kCtrlBytes + 2 * staging_ + mailboxStates_ +
+  segBytes_ = mailboxOffset() + mailboxStates_ +
               static_cast<size_t>(size_ > 1 ? size_ - 1 : 0) * kMailboxSlots * mailboxSlot_;
   const int cpus = usableCpus();
   if (opts.spinUs >= 0) {
@@ -188,7 +188,7 @@ ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
   std::string failure;
   try {
     // The mailbox slots get their pages when first used (ShmMailbox::put).
-    mine_ = ShmSegment::create(segBytes_, kCtrlBytes + 2 * staging_ + mailboxStates_);
+    mine_ = ShmSegment::create(segBytes_, mailboxOffset() + mailboxStates_);
     auto* c = reinterpret_cast<Ctrl*>(mine_->data());
     new (c) Ctrl();
     c->seq.store(0);
@@ -249,14 +249,19 @@ uint64_t* ShmGroup::scratch(int r, uint32_t step) const {
   return ctrl(r)->scratch[step & 1];
 }
 
+// A segment: control block, two staging buffers, then the mailbox's state words and slots.
+size_t ShmGroup::mailboxOffset() const {
+  return kCtrlBytes + 2 * staging_;
+}
+
 std::atomic<uint32_t>* ShmGroup::mailboxState(int owner, int dest, int k) const {
-  char* states = bases_[owner] + kCtrlBytes + 2 * staging_;
+  char* states = bases_[owner] + mailboxOffset();
   return reinterpret_cast<std::atomic<uint32_t>*>(states + (static_cast<size_t>(dest) * kMailboxSlots + k) * 64);
 }
 
 char* ShmGroup::mailboxData(int owner, int dest, int k) const {
   const int d = dest < owner ? dest : dest - 1;  // no slots to oneself
-  return bases_[owner] + kCtrlBytes + 2 * staging_ + mailboxStates_ +
+  return bases_[owner] + mailboxOffset() + mailboxStates_ +
          (static_cast<size_t>(d) * kMailboxSlots + k) * mailboxSlot_;
 }
 

@@ -296,6 +296,7 @@ struct TcpTransport::Peer {
   std::unordered_map<uint64_t, std::shared_ptr<PostedRecv>> directRecvs;
   bool direct = false;  // large messages from this peer may be copied directly
   int64_t eagerBytes = 0;  // messages to this peer up to this size are sent at once
+  int64_t mailboxBytes = 0;  // from kMailboxMinBytes up to this size: through a mailbox slot
   // Read state machine (epoll thread only; targets are fixed under mu_ at header time).
   Frame hdr{};
   size_t hdrGot = 0;
@@ -370,6 +371,14 @@ TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, Tcp
     // A direct copy takes three messages through sleeping threads (announce, done, ack): for
     // a peer on this host the socket's extra copy is cheaper up to a few hundred KiB.
     p.eagerBytes = p.direct ? std::max(setup_.eagerBytes, setup_.localEagerBytes) : setup_.eagerBytes;
+    if (setup_.mailbox && setup_.mailbox->reaches(r)) {
+      // Up to that size such a message goes through a shared-memory slot when one is free. One
+      // that finds none is sent at once only if it is small: a larger one is announced and
+      // copied directly, which holds the sender back until the receiver has caught up (a
+      // loopback socket moves it at a third of that speed).
+      p.mailboxBytes = std::min<int64_t>(p.eagerBytes, static_cast<int64_t>(setup_.mailbox->slotBytes()));
+      p.eagerBytes = setup_.eagerBytes;
+    }
   }
   laneCount_ = setup_.socketsPerPeer >= 2 ? setup_.socketsPerPeer : 0;
   bool anyRemote = false;
@@ -634,10 +643,8 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
   // (the send is then complete as far as the caller's buffer goes); the frame announces it.
   auto& mb = setup_.mailbox;
   int slot = -1;
-  if (mb && nbytes >= kMailboxMinBytes && static_cast<int64_t>(nbytes) <= peers_[peer]->eagerBytes &&
-      nbytes <= mb->slotBytes() && mb->reaches(peer)) {
+  if (nbytes >= kMailboxMinBytes && static_cast<int64_t>(nbytes) <= peers_[peer]->mailboxBytes)
     slot = mb->put(peer, data, nbytes);
-  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto& p = *peers_[peer];
@@ -647,10 +654,6 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
                 closed_ ? closeReason_ : p.deadReason, peer);
       return req;
     }
-    // With a mailbox, a local message that found no free slot is sent at once only if it is
-    // small: a larger one is announced and copied directly, which holds the sender back until
-    // the receiver has caught up (a loopback socket moves it at a third of that speed).
-    const int64_t eagerLimit = mb && mb->reaches(peer) ? setup_.eagerBytes : p.eagerBytes;
     auto item = std::make_unique<SendItem>();
     item->hdr.tag = tag;
     item->hdr.nbytes = nbytes;
@@ -660,7 +663,7 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
       item->hdr.id = static_cast<uint64_t>(slot);
       item->req = req;
       req->setVia("mailbox");
-    } else if (static_cast<int64_t>(nbytes) <= eagerLimit) {
+    } else if (static_cast<int64_t>(nbytes) <= p.eagerBytes) {
       item->hdr.magicKind = kMagic << 8 | kEager;
       item->data = static_cast<const char*>(data);
       item->nbytes = nbytes;

@@ -141,6 +141,7 @@ class ShmGroup {
  private:
   struct Ctrl;
   Ctrl* ctrl(int r) const;
+  size_t mailboxOffset() const;  // where a segment's mailbox area starts
   void waitSlow(int peer, uint32_t step, Deadline deadline);
   void checkDesc(int peer, uint32_t step) const;
 
