@@ -15,6 +15,7 @@
 
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
+#include "myccl/TorchCompat.hpp"
 #include "myccl/cpu/Engine.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 #include "myccl/cpu/transport/Shm.hpp"
@@ -240,6 +241,7 @@ OpInfo MycclBackend::info(OpType type, const char* op, std::chrono::milliseconds
   i.asyncOp = asyncOp;
   i.type = type;
   i.op = op;
+  i.name = op;
   i.seq = p2p ? p2pSeq_.fetch_add(1) : collSeq_.fetch_add(1) + 1;
   i.rank = rank_;
   i.group = group_;
@@ -385,7 +387,7 @@ Reduction MycclBackend::reduction(const char* op, const at::Tensor& t, const c10
       break;
     case c10d::ReduceOp::PREMUL_SUM: {
       if (!floating && !complex) reject("the pre-multiplication factor is a float");
-      auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(rop.supplement_.get());
+      auto* sup = dynamic_cast<compat::PreMulSumSupplement*>(rop.supplement_.get());
       MYCCL_CHECK_ARG(sup != nullptr, w, ": ReduceOp.PREMUL_SUM without a factor; build it with "
                                        "torch.distributed._make_nccl_premul_sum(factor)");
       r.spec.op = RedOp::Sum;
@@ -696,7 +698,7 @@ WorkRef MycclBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& o
                     " elements but must have ", inputs[k].numel() * size_);
     per.push_back(blocks(w, outputs[k], size_, inputs[k].numel(), "output"));
   }
-  auto i = info(OpType::ALLGATHER_INTO_TENSOR_COALESCED, "all_gather_into_tensor_coalesced", opts.timeout, opts.asyncOp);
+  auto i = info(compat::kAllgatherIntoTensorCoalesced, "all_gather_into_tensor_coalesced", opts.timeout, opts.asyncOp);
   annotate(i, inputs[0], -1, nullptr);
 #ifdef MYCCL_WITH_NCCL
   if (cuda) return record(nccl("all_gather_into_tensor_coalesced").allgather(std::move(i), inputs, per, opts.asyncOp));
@@ -827,7 +829,7 @@ WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& o
     per.push_back(blocks(w, inputs[k], size_, outputs[k].numel(), "input"));
   }
   auto red = reduction("reduce_scatter_tensor_coalesced", outputs[0], opts.reduceOp);
-  auto i = info(OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced", opts.timeout, opts.asyncOp);
+  auto i = info(compat::kReduceScatterTensorCoalesced, "reduce_scatter_tensor_coalesced", opts.timeout, opts.asyncOp);
   annotate(i, inputs[0], -1, reduceOpName(opts.reduceOp.op_));
 #ifdef MYCCL_WITH_NCCL
   if (cuda)

@@ -4,7 +4,9 @@
 #include <c10/util/Exception.h>
 #include <sched.h>
 
+#include <mutex>
 #include <sstream>
+#include <unordered_set>
 
 #include "myccl/Errors.hpp"
 
@@ -33,36 +35,22 @@ std::string OpInfo::describe() const {
   return os.str();
 }
 
-const char* profilingTitle(c10d::OpType type) {
-  using c10d::OpType;
-  switch (type) {
-    case OpType::BROADCAST: return "myccl:broadcast";
-    case OpType::ALLREDUCE: return "myccl:all_reduce";
-    case OpType::ALLREDUCE_COALESCED: return "myccl:all_reduce_coalesced";
-    case OpType::REDUCE: return "myccl:reduce";
-    case OpType::ALLGATHER: return "myccl:all_gather";
-    case OpType::_ALLGATHER_BASE: return "myccl:all_gather_into_tensor";
-    case OpType::ALLGATHER_COALESCED: return "myccl:all_gather_coalesced";
-    case OpType::ALLGATHER_INTO_TENSOR_COALESCED: return "myccl:all_gather_into_tensor_coalesced";
-    case OpType::GATHER: return "myccl:gather";
-    case OpType::SCATTER: return "myccl:scatter";
-    case OpType::REDUCE_SCATTER: return "myccl:reduce_scatter";
-    case OpType::_REDUCE_SCATTER_BASE: return "myccl:reduce_scatter_tensor";
-    case OpType::REDUCE_SCATTER_TENSOR_COALESCED: return "myccl:reduce_scatter_tensor_coalesced";
-    case OpType::ALLTOALL_BASE: return "myccl:all_to_all_single";
-    case OpType::ALLTOALL: return "myccl:all_to_all";
-    case OpType::SEND: return "myccl:send";
-    case OpType::RECV: return "myccl:recv";
-    case OpType::RECVANYSOURCE: return "myccl:recv_any_source";
-    case OpType::BARRIER: return "myccl:barrier";
-    case OpType::COALESCED: return "myccl:coalesced";
-    case OpType::_ALLREDUCE_SPARSE: return "myccl:all_reduce_sparse";
-    default: return "myccl:op";
-  }
+namespace {
+
+// "myccl:<op>" for the profiler range, from the op's name rather than its OpType (older torch
+// releases give several ops one OpType). Interned: the profiler keeps the pointer as long as the
+// range is open; there are a few dozen op names.
+const char* profilingTitle(const std::string& op) {
+  static std::mutex mu;
+  static std::unordered_set<std::string> titles;
+  std::lock_guard<std::mutex> lock(mu);
+  return titles.insert("myccl:" + op).first->c_str();
 }
 
+}  // namespace
+
 MycclWork::MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs)
-    : c10d::Work(info.rank, info.type, profilingTitle(info.type), std::optional<std::vector<at::Tensor>>(inputs)),
+    : c10d::Work(info.rank, info.type, profilingTitle(info.name), std::optional<std::vector<at::Tensor>>(inputs)),
       info_(std::move(info)),
       inputs_(std::move(inputs)),
       outputs_(std::move(outputs)),

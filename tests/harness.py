@@ -111,6 +111,19 @@ class Report:
         return self.checks, self.failures
 
 
+def seq_number(pg=None) -> int:
+    """The group's collective sequence number, as torch reports it. Before 2.14 torch's
+    ProcessGroup answers only for gloo and nccl ("does not yet support sequence numbers"), so
+    there ask the backend, which is what torch 2.14 and later do themselves."""
+    import torch
+    import torch.distributed as dist
+
+    pg = pg if pg is not None else dist.group.WORLD
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 14):
+        return pg._get_sequence_number_for_group()
+    return pg._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+
+
 def assert_reports(results) -> None:
     """results: per-rank (checks, failures) from Report.result()."""
     failures = [f for _, fails in results for f in fails]

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import Report, assert_reports
+from harness import Report, assert_reports, seq_number
 
 FAST = 1.0  # seconds: a local argument check must not wait for anybody
 
@@ -179,10 +179,10 @@ def body_bad_arguments(ctx):
         name, fn, must, layer = case
         culprit = k % n
         if ctx.rank == culprit:
-            seq0 = dist.group.WORLD._get_sequence_number_for_group()
+            seq0 = seq_number()
             _, msg = _expect_error(rep, ctx, name, fn, must, layer)
             seen[name] = msg
-            seq1 = dist.group.WORLD._get_sequence_number_for_group()
+            seq1 = seq_number()
             in_step = rep.check(seq1 == seq0, f"{name}: the rejected call advanced the sequence number {seq0} -> {seq1}")
             store.set(f"case{k}", "ok" if in_step else "desync")
         # The culprit tells everybody (over the store, not the group) whether to go on.
@@ -199,7 +199,7 @@ def body_bad_arguments(ctx):
     z = torch.arange(5.0) * (ctx.rank + 1)
     dist.broadcast(z, src=n - 1)
     rep.check(torch.equal(z, torch.arange(5.0) * n), "broadcast after all bad calls")
-    seq = dist.group.WORLD._get_sequence_number_for_group()
+    seq = seq_number()
     return rep.result(), seq, seen
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ErrorType
 
 from expect import make
-from harness import Report, assert_reports, free_port
+from harness import Report, assert_reports, seq_number, free_port
 
 
 def _cpu_backend(group=None):
@@ -450,7 +450,7 @@ def body_work_api(ctx):
         rep.check(name in ev, f"profiler has no {name} (got {sorted(ev)})")
         if name in ev and shapes is not None:
             rep.check(ev[name] == shapes, f"{name} input shapes {ev[name]} != {shapes}")
-    seq = dist.group.WORLD._get_sequence_number_for_group()
+    seq = seq_number()
     return rep.result(), seq
 
 
@@ -462,7 +462,8 @@ def test_work_api_and_profiler(run):
 
 
 def body_threads_and_single_apis(ctx):
-    """Three threads drive three groups at once; torch 2.14's *_single entry points."""
+    """Three threads drive three groups at once; torch's *_single entry points (2.13+), or on an
+    older torch the names they replaced, which reach the same Backend methods."""
     import threading
 
     ctx.init(timeout=30)
@@ -491,13 +492,14 @@ def body_threads_and_single_apis(ctx):
     rep.check(not errors, f"concurrent groups: {errors[:5]}")
     x = torch.arange(4.0) + 10 * r
     out = torch.empty(4 * n)
-    dist.all_gather_single(out, x)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x)
     rep.check(torch.equal(out, torch.cat([torch.arange(4.0) + 10 * q for q in range(n)])), "all_gather_single")
     o = torch.empty(2)
-    dist.reduce_scatter_single(o, torch.arange(2.0 * n) + r)
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(o, torch.arange(2.0 * n) + r)
     rep.check(torch.equal(o, (torch.arange(2.0 * n) * n + sum(range(n)))[2 * r:2 * r + 2]), "reduce_scatter_single")
     outs = [torch.empty(4 * n), torch.empty(2 * n)]
-    dist.group.WORLD.all_gather_single_coalesced(outs, [x, x[:2].clone()]).wait()
+    pg = dist.group.WORLD
+    getattr(pg, "all_gather_single_coalesced", pg.allgather_into_tensor_coalesced)(outs, [x, x[:2].clone()]).wait()
     rep.check(torch.equal(outs[1], torch.cat([torch.arange(2.0) + 10 * q for q in range(n)])), "all_gather_single_coalesced")
     return rep.result()
 
@@ -512,14 +514,14 @@ def body_debug_detail(ctx):
     rep.check(dist.get_debug_level() == dist.DebugLevel.DETAIL, f"debug level {dist.get_debug_level()}")
     ctx.init(timeout=30)
     pg = dist.group.WORLD
-    seqs = [pg._get_sequence_number_for_group()]
+    seqs = [seq_number(pg)]
     _smoke(rep, ctx, "DETAIL")
-    seqs.append(pg._get_sequence_number_for_group())
+    seqs.append(seq_number(pg))
     out = torch.empty(2)
     dist.reduce_scatter_tensor(out, torch.arange(2.0 * n))
     rep.check(torch.equal(out, torch.arange(2.0 * n)[2 * r:2 * r + 2] * n), "DETAIL reduce_scatter_tensor")
     dist.barrier()
-    seqs.append(pg._get_sequence_number_for_group())
+    seqs.append(seq_number(pg))
     # torch's wrapper catches ranks that call different collectives, before myccl runs them
     try:
         dist.all_reduce(torch.ones(3 + r))
@@ -527,7 +529,7 @@ def body_debug_detail(ctx):
     except RuntimeError as e:
         rep.check("mismatch" in str(e).lower() or "inconsistent" in str(e).lower(), f"DETAIL mismatch error: {str(e)[:200]}")
     _smoke(rep, ctx, "DETAIL after a caught mismatch")
-    seqs.append(pg._get_sequence_number_for_group())
+    seqs.append(seq_number(pg))
     return rep.result(), seqs
 
 
@@ -615,7 +617,10 @@ def body_set_timeout(ctx):
     rep = Report(ctx)
     ctx.init(timeout=60)
     be = _cpu_backend()
-    dist.set_timeout(timedelta(seconds=2))
+    if hasattr(dist, "set_timeout"):  # torch 2.14+
+        dist.set_timeout(timedelta(seconds=2))
+    else:
+        dist.group.WORLD.set_timeout(timedelta(seconds=2))
     rep.check(be.timeout == timedelta(seconds=2), f"backend timeout after set_timeout: {be.timeout}")
     _smoke(rep, ctx, "after set_timeout")
     if ctx.rank == 0:

@@ -18,7 +18,8 @@ namespace myccl {
 // What a Work is about, for error messages, traces and the flight recorder.
 struct OpInfo {
   c10d::OpType type = c10d::OpType::UNKNOWN;
-  std::string op;     // torch's op name, e.g. "all_reduce"
+  std::string op;     // what the op is, e.g. "all_reduce", "send to 1 tag 0"
+  std::string name;   // torch's name of the op ("all_reduce", "send"): profiler ranges and stats
   uint64_t seq = 0;   // per-group sequence number (collectives) or p2p counter
   int rank = -1;      // this rank in the group
   std::string group;  // group name
@@ -93,8 +94,5 @@ c10::intrusive_ptr<MycclWork> combineWorks(OpInfo info, std::vector<c10::intrusi
 
 // List[Tensor], the value type of every Work's future (created once).
 c10::TypePtr tensorListType();
-
-// "myccl:all_reduce" and friends: static strings for profiler ranges.
-const char* profilingTitle(c10d::OpType type);
 
 }  // namespace myccl

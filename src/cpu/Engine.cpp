@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <string_view>
 
 namespace myccl::cpu {
 
@@ -209,7 +210,7 @@ void CpuEngine::runOp(Op& op) {
     if (cfg_.debugDetail && size_ > 1) checkFingerprint(ctx, op);
     if (size_ > 1 && (!shm_ || topo_.crossSize > 1)) checkStrays(info.seq);  // shared memory checks every step
     op.body(ctx);
-    stats_->add(profilingTitle(info.type) + 6, ctx.algo, ctx.bytes,
+    stats_->add(info.name, ctx.algo, ctx.bytes,
                 std::chrono::duration<double>(Clock::now() - t0).count());
     recorder_->ended(op.record, ctx.algo, transportName(), ctx.bytes, "");
     op.work->markDone();
@@ -293,15 +294,15 @@ void CpuEngine::checkStrays(uint64_t seq) {
 // MYCCL_DEBUG=DETAIL: every rank publishes what it is about to run; any difference fails the
 // op on every rank with a message listing what each rank called, before any data moves.
 void CpuEngine::checkFingerprint(CollCtx& ctx, const Op& op) {
-  using c10d::OpType;
   const auto& i = op.work->info();
   // Shapes must agree only where torch's semantics require it (uneven all_gather lists,
-  // all_to_all splits and gather/scatter lists legitimately differ per rank).
-  static const OpType shaped[] = {OpType::ALLREDUCE, OpType::ALLREDUCE_COALESCED, OpType::BROADCAST, OpType::REDUCE,
-                                  OpType::_ALLGATHER_BASE, OpType::_REDUCE_SCATTER_BASE, OpType::REDUCE_SCATTER,
-                                  OpType::ALLGATHER_INTO_TENSOR_COALESCED, OpType::REDUCE_SCATTER_TENSOR_COALESCED};
+  // all_to_all splits and gather/scatter lists legitimately differ per rank). By name, not
+  // OpType: older torch releases give several of these ops one OpType (COALESCED).
+  static const std::string_view shaped[] = {"all_reduce", "all_reduce_coalesced", "broadcast", "reduce",
+                                            "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
+                                            "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"};
   bool withShape = false;
-  for (auto t : shaped) withShape |= (t == i.type);
+  for (auto name : shaped) withShape |= (name == i.name);
   std::string fp = i.op + " #" + std::to_string(i.seq) + " " + i.dtype;
   if (withShape) fp += " " + i.shape;
   if (i.root >= 0) fp += " root " + std::to_string(i.root);
@@ -630,7 +631,7 @@ void finishP2P(const c10::intrusive_ptr<MycclWork>& w, const Request& req, const
   try {
     req.rethrow();
     if (onOk) onOk();
-    d.stats->add(profilingTitle(w->info().type) + 6, via, req.nbytes(),
+    d.stats->add(w->info().name, via, req.nbytes(),
                  std::chrono::duration<double>(Clock::now() - w->startTime()).count());
     d.recorder->ended(d.record, "p2p", via, req.nbytes(), "");
     w->setSourceRank(req.source());

@@ -7,7 +7,6 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -43,10 +42,6 @@ std::string argWhere(const OpInfo& info) {
 std::string errorText(const std::exception& e) {
   if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
   return e.what();
-}
-
-bool capturing(const c10::cuda::CUDAStream& s) {
-  return c10::cuda::captureStatusMayInitCtx(s) != c10::cuda::CaptureStatus::None;
 }
 
 // Do [p, p+n) and [q, q+m) share a byte?
@@ -247,7 +242,7 @@ struct NcclEngine::Impl {
     const c10::DeviceIndex idx = dev.index();
     auto it = devices.find(idx);
     if (it != devices.end()) return *it->second;
-    MYCCL_CHECK(!capturing(c10::cuda::getCurrentCUDAStream(idx)), where, ": the first CUDA op on ", dev,
+    MYCCL_CHECK(!isCapturing(c10::cuda::getCurrentCUDAStream(idx)), where, ": the first CUDA op on ", dev,
                 " of this group is being captured into a CUDA graph, and NCCL communicators cannot be created "
                 "during capture; run one op (or eager_connect) on this device before capturing");
     // Keyed by the engine's creation count, not by the device index: rank r usually drives
@@ -302,7 +297,7 @@ struct NcclEngine::Impl {
       c10::cuda::CUDAGuard deviceGuard(dev.index());
       DeviceState& ds = deviceState(dev, info.timeout, where);
       const auto current = c10::cuda::getCurrentCUDAStream(dev.index());
-      const bool captured = capturing(current);
+      const bool captured = isCapturing(current);
       const c10::cuda::CUDAStream stream = asyncOp ? ds.stream : current;
       if (asyncOp) {
         // The NCCL stream starts after everything the caller enqueued so far (inputs are ready).
@@ -742,7 +737,7 @@ NcclEngine::WorkPtr NcclEngine::endCoalescing(OpInfo info) {
 void NcclEngine::eagerConnect(at::Device device) {
   if (!device.has_index()) device = at::Device(at::kCUDA, c10::cuda::current_device());
   OpInfo info;
-  info.op = "eager_connect";
+  info.op = info.name = "eager_connect";
   info.rank = impl_->rank;
   info.group = impl_->group;
   info.timeout = impl_->timeout.load();

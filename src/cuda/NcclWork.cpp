@@ -4,7 +4,6 @@
 #include "myccl/cuda/NcclWork.hpp"
 
 #include <ATen/core/ivalue.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -20,7 +19,7 @@ namespace myccl::cuda {
 namespace {
 
 bool currentStreamCapturing(c10::DeviceIndex device) {
-  return c10::cuda::captureStatusMayInitCtx(c10::cuda::getCurrentCUDAStream(device)) != c10::cuda::CaptureStatus::None;
+  return isCapturing(c10::cuda::getCurrentCUDAStream(device));
 }
 
 }  // namespace

@@ -75,14 +75,6 @@ class NoGilHolder {
   c10::intrusive_ptr<T> p_;
 };
 
-std::string torchMinor(const std::string& v) {
-  auto plus = v.find('+');
-  std::string core = v.substr(0, plus);
-  auto dot1 = core.find('.');
-  auto dot2 = core.find('.', dot1 + 1);
-  return core.substr(0, dot2);
-}
-
 myccl::RedOp parseRedOp(const std::string& s) {
   using myccl::RedOp;
   if (s == "sum") return RedOp::Sum;
@@ -303,13 +295,8 @@ void bindReducer(py::module& m) {
 PYBIND11_DECLARE_HOLDER_TYPE(T, NoGilHolder<T>, true);
 
 PYBIND11_MODULE(_C, m) {
-  // c10d's C++ classes have no stable ABI: refuse to run against another torch minor version.
-  const std::string runtime = py::module::import("torch").attr("__version__").cast<std::string>();
-  if (torchMinor(runtime) != MYCCL_TORCH_MINOR) {
-    throw py::import_error(std::string("c10d_ext was built for torch ") + MYCCL_TORCH_VERSION + " but torch " + runtime +
-                           " is loaded; rebuild it against this torch: pip install --no-build-isolation "
-                           "--force-reinstall --no-deps .  (from the c10d_ext source tree)");
-  }
+  // The torch-version guard runs in c10d_ext/__init__.py, before this module is loaded: a build
+  // for another torch may not even link against the torch in this process.
   py::module::import("torch.distributed");
 
   py::class_<myccl::Config>(m, "Config")
@@ -347,6 +334,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("global_ranks"), py::arg("config"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("group_name", &myccl::MycclBackend::groupName)
       .def_property_readonly("timeout", &myccl::MycclBackend::timeout)
+      // torch binds Backend.get_error only from 2.14 on; the same method here serves every torch.
+      .def("get_error", &myccl::MycclBackend::getError, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("local_rank", [](const myccl::MycclBackend& b) { return b.topology().localRank; })
       .def_property_readonly("local_size", [](const myccl::MycclBackend& b) { return b.topology().localSize; })
       .def_property_readonly("cross_rank", [](const myccl::MycclBackend& b) { return b.topology().crossRank; })

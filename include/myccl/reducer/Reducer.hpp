@@ -16,12 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "myccl/TorchCompat.hpp"
 #include "myccl/reducer/Buckets.hpp"
 #include "myccl/reducer/CommHook.hpp"
 
-namespace torch::autograd {
-struct Node;  // a parameter's gradient accumulator; complete in Reducer.cpp
-}
 namespace myccl {
 class MycclBackend;
 }
@@ -165,7 +163,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   c10::intrusive_ptr<MycclBackend> myccl_;
 
   // The accumulators hold our hooks; the parameters only reference them weakly.
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<compat::NodePtr> accumulators_;  // the parameters' gradient accumulators
   std::vector<uintptr_t> hookKeys_;
 
   mutable std::mutex mu_;

@@ -1,0 +1,88 @@
+// Every difference between the torch versions myccl builds against (2.11 to 2.15), and only
+// here: the rest of the tree writes against these names and never tests a torch version itself.
+// A feature an older torch lacks is either mapped to what that torch itself does (op types) or
+// compiled out with an error that names the torch release that has it (requireTorch).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/headeronly/version.h>
+
+#include <c10/util/Exception.h>
+
+#include <memory>
+
+#define MYCCL_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+#if !MYCCL_TORCH_AT_LEAST(2, 11)
+#error "c10d_ext needs torch 2.11 or newer"
+#endif
+
+// Backend API additions of torch 2.14 (reconfigure, one-sided windows, abort hooks). torch
+// announces them with feature macros; features built on them are compiled only under these.
+#if defined(C10D_BACKEND_HAS_RECONFIGURE)
+#define MYCCL_HAS_RECONFIGURE 1
+#else
+#define MYCCL_HAS_RECONFIGURE 0
+#endif
+#if defined(C10D_BACKEND_HAS_WINDOW)
+#define MYCCL_HAS_WINDOW 1
+#else
+#define MYCCL_HAS_WINDOW 0
+#endif
+#if defined(C10D_BACKEND_HAS_HOOKS)
+#define MYCCL_HAS_ABORT_HOOKS 1
+#else
+#define MYCCL_HAS_ABORT_HOOKS 0
+#endif
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace myccl::compat {
+
+// "2.13": the torch this extension was compiled against.
+inline constexpr int kTorchMajor = TORCH_VERSION_MAJOR;
+inline constexpr int kTorchMinor = TORCH_VERSION_MINOR;
+
+// The factor of ReduceOp.PREMUL_SUM: torch 2.13 dropped "NCCL" from the name (2.14 and 2.15
+// keep the old one as an alias, a later release may not).
+#if MYCCL_TORCH_AT_LEAST(2, 13)
+using PreMulSumSupplement = c10d::PreMulSumSupplement;
+#else
+using PreMulSumSupplement = c10d::NCCLPreMulSumSupplement;
+#endif
+
+// The holder of autograd graph nodes (a gradient accumulator, grad_fn): std::shared_ptr until
+// torch 2.12, c10::intrusive_ptr from 2.13.
+#if MYCCL_TORCH_AT_LEAST(2, 13)
+using NodePtr = c10::intrusive_ptr<torch::autograd::Node>;
+#else
+using NodePtr = std::shared_ptr<torch::autograd::Node>;
+#endif
+
+// Op types torch added later than the ops themselves. Before, torch's own process groups report
+// such an op as COALESCED, so myccl's Work does the same there (its profiler range and stats
+// still carry the op's own name).
+#if MYCCL_TORCH_AT_LEAST(2, 12)
+inline constexpr c10d::OpType kReduceScatterTensorCoalesced = c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+#else
+inline constexpr c10d::OpType kReduceScatterTensorCoalesced = c10d::OpType::COALESCED;
+#endif
+#if MYCCL_TORCH_AT_LEAST(2, 14)
+inline constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED;
+#else
+inline constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::COALESCED;
+#endif
+
+// For a feature compiled out because this torch lacks the API it needs: raises
+// NotImplementedError in Python, naming the feature and the torch release that has it.
+[[noreturn]] inline void requireTorch(const char* feature, const char* release) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "myccl: ", feature, " needs torch ", release, " or newer; this build of c10d_ext is for torch ",
+                              kTorchMajor, ".", kTorchMinor);
+}
+
+}  // namespace myccl::compat
