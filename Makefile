@@ -1,19 +1,34 @@
 # The two commands of the README. Each works on a fresh machine (python3 + g++ + PyPI).
-.PHONY: demo test setup bench clean
+# TORCH_SPEC picks the torch (default torch==2.14.1; any release 2.11-2.15), PYTHON the
+# interpreter of a new venv, VENV the venv (default .venv): see scripts/setup.sh.
+.PHONY: demo test test-compat setup bench wheel clean
+
+VENV ?= .venv
+export VENV
 
 setup:
 	bash scripts/setup.sh
 
 # Main job: 2-rank DDP training on myccl next to gloo, loss and throughput side by side.
 demo: setup
-	.venv/bin/torchrun --nproc-per-node 2 examples/train.py
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train.py
 
 # Whole test suite (multi-process tests have their own timeouts; pytest-timeout backs them up).
 test: setup
-	.venv/bin/python -m pytest -n 2 tests
+	$(VENV)/bin/python -m pytest -n 2 tests
+
+# What CI also runs against the oldest supported torch: the collective matrix, DDP (ours and
+# torch's) and the CUDA tests, which skip without a GPU but still import and collect.
+test-compat: setup
+	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py tests/test_ddp.py tests/test_cuda.py
 
 bench: setup
-	.venv/bin/python benchmarks/collbench.py --world-size 2
+	$(VENV)/bin/python benchmarks/collbench.py --world-size 2
+
+# A wheel for the venv's torch, named after it (c10d_ext-0.2.0+torch2.14-...whl) in dist/.
+wheel: setup
+	$(VENV)/bin/python -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	@ls -1 dist/*.whl
 
 clean:
-	rm -rf build *.egg-info c10d_ext/_C*.so c10d_ext/_build_info.py
+	rm -rf build dist *.egg-info c10d_ext/_C*.so c10d_ext/_build_info.py

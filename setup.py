@@ -99,10 +99,14 @@ def _torch_minor():
     return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 
+# A build is for one torch minor release (c10d's C++ classes have no stable ABI), so the
+# version says which: 0.2.0+torch2.14. The wheel also requires that torch minor.
+VERSION = f"0.2.0+torch{_torch_minor()}"
+TORCH_REQUIREMENT = f"torch>={_torch_minor()},<{_torch_minor().split('.')[0]}.{int(_torch_minor().split('.')[1]) + 1}"
+
 nccl = _nccl_config()
 define_macros = [
     ("MYCCL_TORCH_VERSION", f'"{torch.__version__}"'),
-    ("MYCCL_TORCH_MINOR", f'"{_torch_minor()}"'),
 ]
 include_dirs = [os.path.join(ROOT, "include"), os.path.join(ROOT, "src")]
 library_dirs, libraries, rpaths = [], [], []
@@ -111,6 +115,9 @@ if nccl is not None:
     include_dirs += inc
     library_dirs += lib_dirs
     libraries += libs
+    # The venv's NCCL (torch has loaded the same one by then): found from a wheel's install
+    # location relative to the extension, and from the build venv for an editable install.
+    rpaths += ["$ORIGIN/../" + os.path.relpath(d, os.path.dirname(os.path.dirname(torch.__file__))) for d in lib_dirs]
     rpaths += lib_dirs
     define_macros.append(("MYCCL_WITH_NCCL", "1"))
 
@@ -124,37 +131,56 @@ if os.environ.get("MYCCL_DEBUG_BUILD") == "1":
     cxx_flags += ["-g", "-O0", "-fno-omit-frame-pointer"]
 
 
-def _write_build_info():
-    info = {
+def _nccl_header_version():
+    ver = {}
+    with open(os.path.join(nccl[0][0], "nccl.h")) as f:
+        for line in f:
+            for key in ("NCCL_MAJOR", "NCCL_MINOR", "NCCL_PATCH"):
+                if line.startswith(f"#define {key} "):
+                    ver[key] = line.split()[2]
+    return ".".join(ver.get(k, "?") for k in ("NCCL_MAJOR", "NCCL_MINOR", "NCCL_PATCH"))
+
+
+def _build_info():
+    return {
+        "version": VERSION,
         "torch_version": torch.__version__,
         "torch_minor": _torch_minor(),
         "with_nccl": nccl is not None,
-        "nccl_build_header": None,
+        "nccl_build_header": _nccl_header_version() if nccl is not None else None,
         "cxx_flags": cxx_flags,
         "python": sys.version.split()[0],
     }
-    if nccl is not None:
-        hdr = os.path.join(nccl[0][0], "nccl.h")
-        ver = {}
-        with open(hdr) as f:
-            for line in f:
-                for key in ("NCCL_MAJOR", "NCCL_MINOR", "NCCL_PATCH"):
-                    if line.startswith(f"#define {key} "):
-                        ver[key] = line.split()[2]
-        info["nccl_build_header"] = ".".join(ver.get(k, "?") for k in ("NCCL_MAJOR", "NCCL_MINOR", "NCCL_PATCH"))
-    with open(os.path.join(ROOT, "c10d_ext", "_build_info.py"), "w") as f:
-        f.write("# Written by setup.py at build time; do not edit.\n")
-        f.write(f"BUILD_INFO = {info!r}\n")
 
 
-_write_build_info()
+class BuildExt(BuildExtension):
+    """torch's BuildExtension, plus: objects kept per torch and Python version under build/ (so a
+    rebuild, or a switch back to another torch, recompiles only what changed), and
+    c10d_ext/_build_info.py written next to the extension it describes."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        # Always hand the build to ninja, which knows what changed; setuptools' own check only
+        # compares the .cpp files with the .so and would keep a build for another torch.
+        self.force = True
+        tag = f"torch{torch.__version__}-py{sys.version_info.major}.{sys.version_info.minor}"
+        self.build_temp = os.path.join(ROOT, "build", "temp-" + tag.replace("+", "-"))
+
+    def run(self):
+        super().run()
+        package_dir = os.path.dirname(self.get_ext_fullpath("c10d_ext._C"))
+        with open(os.path.join(package_dir, "_build_info.py"), "w") as f:
+            f.write("# Written when c10d_ext._C was built (setup.py, BuildExt); do not edit.\n")
+            f.write(f"BUILD_INFO = {_build_info()!r}\n")
+
 
 setup(
     name="c10d_ext",
-    version="0.1.0",
+    version=VERSION,
     description="myccl: a fast, debuggable torch.distributed backend (shared memory / TCP on CPU, NCCL on CUDA)",
     packages=["c10d_ext", "c10d_ext.trace"],
     python_requires=">=3.10",
+    install_requires=[TORCH_REQUIREMENT],
     ext_modules=[
         CppExtension(
             name="c10d_ext._C",
@@ -168,6 +194,6 @@ setup(
             extra_link_args=["-Wl,--as-needed"] if nccl is None else [],
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
     zip_safe=False,
 )

@@ -24,12 +24,26 @@ def _minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
+def _rebuild_command() -> str:
+    import os
+    import sys
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.exists(os.path.join(src, "setup.py")):  # a source tree (editable install)
+        return f"{sys.executable} -m pip install --no-build-isolation --no-deps -e {src}"
+    return (f"{sys.executable} -m pip install --no-build-isolation --no-deps --force-reinstall "
+            "<the c10d_ext source tree>")
+
+
+# The ABI guard: c10d's C++ classes have no stable ABI, so a build is for one torch minor release.
 if _minor(torch.__version__) != _BUILD_INFO["torch_minor"]:
     raise ImportError(
-        f"c10d_ext was built for torch {_BUILD_INFO['torch_version']} but torch {torch.__version__} "
-        "is installed; the c10d C++ API has no stable ABI, so rebuild it against this torch: "
-        "pip install --no-build-isolation --force-reinstall --no-deps <path to c10d_ext>"
+        f"c10d_ext {_BUILD_INFO.get('version', '')} was built for torch {_BUILD_INFO['torch_version']} but "
+        f"torch {torch.__version__} is installed, and c10d's C++ API has no stable ABI across torch "
+        f"releases. Rebuild it against this torch: {_rebuild_command()}"
     )
+
+__version__ = _BUILD_INFO.get("version", "0+unknown")
 
 import torch.distributed as dist  # noqa: E402
 

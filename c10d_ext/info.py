@@ -18,6 +18,7 @@ def _print_build() -> None:
 
     info = c10d_ext.build_info()
     print("c10d_ext / myccl build")
+    print(f"  version             {info['version']}")
     print(f"  built for torch     {info['torch_version']}  (running {torch.__version__})")
     print(f"  NCCL engine         {'built, runtime NCCL ' + str(info['nccl_runtime_version']) if info['with_nccl'] else 'not built'}")
     if info.get("nccl_build_header"):
