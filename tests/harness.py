@@ -124,6 +124,25 @@ def seq_number(pg=None) -> int:
     return pg._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
 
 
+def work_exception(work):
+    """Work.exception(). torch 2.11's binding of it cannot convert its own return type (gloo's
+    Work fails the same way: "Unable to convert function return value"), so there the answer
+    comes from the work's future, which holds the same error."""
+    try:
+        return work.exception()
+    except TypeError as e:
+        if "Unable to convert function return value" not in str(e):
+            raise
+    fut = work.get_future()
+    if not fut.done():
+        return None
+    try:
+        fut.value()
+        return None
+    except Exception as err:  # noqa: BLE001
+        return err
+
+
 def assert_reports(results) -> None:
     """results: per-rank (checks, failures) from Report.result()."""
     failures = [f for _, fails in results for f in fails]

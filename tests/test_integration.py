@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ErrorType
 
 from expect import make
-from harness import Report, assert_reports, seq_number, free_port
+from harness import Report, assert_reports, free_port, seq_number, work_exception
 
 
 def _cpu_backend(group=None):
@@ -392,7 +392,7 @@ def body_work_api(ctx):
     t = torch.full((1000,), float(r + 1))
     w = dist.all_reduce(t, async_op=True)
     rep.check(w.wait(timedelta(seconds=10)) is True, "wait(timeout) returns True")
-    rep.check(w.is_completed() and w.is_success() and w.exception() is None, "completed / success / no exception")
+    rep.check(w.is_completed() and w.is_success() and work_exception(w) is None, "completed / success / no exception")
     res = w.result()
     rep.check(len(res) == 1 and torch.equal(res[0], torch.full((1000,), total)), "result()")
     fut = w.get_future()
@@ -572,7 +572,7 @@ def body_absent_rank(ctx, transport):
             rep.check("myccl" in msg and "all_reduce" in msg, f"error does not name the op: {msg}")
             rep.check("timed out" in msg or "timeout" in msg, f"error does not say timeout: {msg}")
             rep.check(f"rank {absent}" in msg, f"error does not name the absent rank {absent}: {msg}")
-        rep.check(w.is_completed() and not w.is_success() and w.exception() is not None,
+        rep.check(w.is_completed() and not w.is_success() and work_exception(w) is not None,
                   "failed Work: is_completed / is_success / exception()")
         try:
             w.get_future().wait()

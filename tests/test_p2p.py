@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from expect import make
-from harness import Report, assert_reports
+from harness import Report, assert_reports, work_exception
 
 EAGER = 64 * 1024  # MYCCL_TCP_EAGER_BYTES
 LOCAL_EAGER = 1024 * 1024  # MYCCL_LOCAL_EAGER_BYTES: peers on this host (shared-memory mailbox slots)
@@ -547,7 +547,7 @@ def body_recv_timeout(ctx):
         except Exception as e:  # noqa: BLE001
             took = time.monotonic() - t0
             rep.check(2.0 <= took <= 8, f"irecv.wait() gave up after {took:.1f} s")
-            rep.check(not w.is_success() and w.exception() is not None, "failed irecv: is_success/exception")
+            rep.check(not w.is_success() and work_exception(w) is not None, "failed irecv: is_success/exception")
         store.set("timed-out", "1")
         got = torch.zeros(10)
         dist.recv(got, src=1, tag=9)
