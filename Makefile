@@ -1,5 +1,5 @@
 # The two commands of the README. Each works on a fresh machine (python3 + g++ + PyPI).
-# TORCH_SPEC picks the torch (default torch==2.14.1; any release 2.11-2.15), PYTHON the
+# TORCH_SPEC picks the torch (default in requirements-torch.txt; any release 2.11-2.15), PYTHON the
 # interpreter of a new venv, VENV the venv (default .venv): see scripts/setup.sh.
 .PHONY: demo test test-compat setup bench wheel clean
 

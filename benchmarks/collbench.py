@@ -40,7 +40,7 @@ OPS = ["all_reduce", "all_reduce_bf16", "broadcast", "reduce", "all_gather", "re
        "gather", "scatter", "send_recv", "ping_pong", "barrier"]
 
 
-# torch 2.14 renamed the tensor forms (all_gather_into_tensor -> all_gather_single, likewise for
+# torch 2.13 renamed the tensor forms (all_gather_into_tensor -> all_gather_single, likewise for
 # reduce_scatter); the old names still work but warn through a wrapper on every call, which
 # costs both backends a few microseconds. Same backend op underneath.
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -3,7 +3,7 @@
 # run installs nothing and recompiles only what changed; asking for another torch replaces the
 # venv's torch and rebuilds against it. Needs nothing but python3 (3.10+), g++ and PyPI.
 #
-#   TORCH_SPEC   pip requirement for torch (default torch==2.14.1); any release from 2.11 to 2.15
+#   TORCH_SPEC   pip requirement for torch (default: requirements-torch.txt); any release 2.11-2.15
 #   PYTHON       interpreter for a new venv (default python3)
 #   VENV         the venv (default .venv)
 #   MYCCL_WITH_NCCL  0: no NCCL engine; 1: require it; unset: build it when torch is a CUDA build
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-TORCH_SPEC=${TORCH_SPEC:-torch==2.14.1}
+TORCH_SPEC=${TORCH_SPEC:-$(grep -v '^#' requirements-torch.txt | head -1)}
 VPY="$VENV/bin/python"
 
 if [ ! -x "$VPY" ]; then

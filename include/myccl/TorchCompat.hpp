@@ -1,15 +1,13 @@
 // Every difference between the torch versions myccl builds against (2.11 to 2.15), and only
 // here: the rest of the tree writes against these names and never tests a torch version itself.
-// A feature an older torch lacks is either mapped to what that torch itself does (op types) or
-// compiled out with an error that names the torch release that has it (requireTorch).
+// A feature an older torch lacks is mapped to what that torch itself does (op types), or compiled
+// only where torch announces the API it needs (MYCCL_HAS_*).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/headeronly/version.h>
-
-#include <c10/util/Exception.h>
 
 #include <memory>
 
@@ -44,10 +42,6 @@ struct Node;
 
 namespace myccl::compat {
 
-// "2.13": the torch this extension was compiled against.
-inline constexpr int kTorchMajor = TORCH_VERSION_MAJOR;
-inline constexpr int kTorchMinor = TORCH_VERSION_MINOR;
-
 // The factor of ReduceOp.PREMUL_SUM: torch 2.13 dropped "NCCL" from the name (2.14 and 2.15
 // keep the old one as an alias, a later release may not).
 #if MYCCL_TORCH_AT_LEAST(2, 13)
@@ -77,12 +71,5 @@ inline constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::ALLG
 #else
 inline constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::COALESCED;
 #endif
-
-// For a feature compiled out because this torch lacks the API it needs: raises
-// NotImplementedError in Python, naming the feature and the torch release that has it.
-[[noreturn]] inline void requireTorch(const char* feature, const char* release) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "myccl: ", feature, " needs torch ", release, " or newer; this build of c10d_ext is for torch ",
-                              kTorchMajor, ".", kTorchMinor);
-}
 
 }  // namespace myccl::compat
