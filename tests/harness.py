@@ -125,8 +125,8 @@ def seq_number(pg=None) -> int:
 
 
 def work_exception(work):
-    """Work.exception(). torch 2.11's binding of it cannot convert its own return type (gloo's
-    Work fails the same way: "Unable to convert function return value"), so there the answer
+    """Work.exception(). torch 2.11 and 2.12 cannot convert its return value in their binding
+    (gloo's Work fails alike: "Unable to convert function return value"), so there the answer
     comes from the work's future, which holds the same error."""
     try:
         return work.exception()
