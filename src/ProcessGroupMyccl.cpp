@@ -332,14 +332,6 @@ bool MycclBackend::usesSharedMemory() const {
   return cpu_ && cpu_->usesSharedMemory();
 }
 
-bool MycclBackend::ncclBuilt() const {
-#ifdef MYCCL_WITH_NCCL
-  return true;
-#else
-  return false;
-#endif
-}
-
 cuda::NcclEngine& MycclBackend::nccl(const char* op) {
 #ifdef MYCCL_WITH_NCCL
   std::lock_guard<std::mutex> lk(ncclMu_);

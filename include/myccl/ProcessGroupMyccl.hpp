@@ -99,11 +99,9 @@ class MycclBackend final : public c10d::Backend {
 
   // For c10d_ext: topology, build and transport details.
   const Topology& topology() const { return topo_; }
-  const Config& config() const { return cfg_; }
   const std::string& groupName() const { return group_; }
   std::chrono::milliseconds timeout() const { return timeout_.load(); }
   std::string describeLinks() const;
-  bool ncclBuilt() const;
   bool usesSharedMemory() const;
   int rejectedConnections() const;
   // (op, algorithm, count, bytes, seconds) for every op run so far on CPU.

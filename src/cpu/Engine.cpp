@@ -401,11 +401,6 @@ bool CpuEngine::timedOut() const {
   return timedOut_;
 }
 
-std::string CpuEngine::failure() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return failure_;
-}
-
 // ---- stats ---------------------------------------------------------------------------------
 
 void Stats::add(const std::string& op, const std::string& algo, uint64_t bytes, double seconds) {

@@ -95,7 +95,6 @@ class CpuEngine {
 
   bool failed() const;
   bool timedOut() const;
-  std::string failure() const;
   Transport& transport() { return *transport_; }
   bool usesSharedMemory() const { return shm_ != nullptr; }
   Stats& stats() { return *stats_; }

@@ -39,12 +39,6 @@ void* Scratch::get(int slot, size_t nbytes) {
   return static_cast<char*>(b.ptr) + kScratchColour;
 }
 
-size_t Scratch::bytesHeld() const {
-  size_t t = 0;
-  for (auto& b : bufs_) t += b.size;
-  return t;
-}
-
 void Scratch::release() {
   for (auto& b : bufs_) std::free(b.ptr);
   bufs_.clear();

@@ -11,11 +11,6 @@ void Request::wait(Deadline deadline) {
   if (failed_) throw CommError(kind_, error_, errorPeer_);
 }
 
-bool Request::test() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return done_;
-}
-
 int Request::source() const {
   std::lock_guard<std::mutex> lk(mu_);
   return source_;

@@ -27,7 +27,6 @@ class Scratch {
  public:
   ~Scratch();
   void* get(int slot, size_t nbytes);
-  size_t bytesHeld() const;
   void release();
 
  private:

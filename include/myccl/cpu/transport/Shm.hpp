@@ -100,7 +100,6 @@ class ShmGroup {
   // Waits until local rank `peer` posted `step`, and checks it runs the same op.
   void wait(int peer, uint32_t step, Deadline deadline);
   void waitAll(uint32_t step, Deadline deadline);
-  uint32_t lastStep() const { return step_; }
 
   // ---- point-to-point mailbox slots (used through ShmMailbox) ----
   size_t mailboxSlotBytes() const { return mailboxSlot_; }

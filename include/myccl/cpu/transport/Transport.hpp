@@ -27,7 +27,6 @@ class Request {
 
   // Blocks until the request is done; throws CommError on failure or at the deadline.
   void wait(Deadline deadline);
-  bool test();
   int source() const;  // the peer that matched (useful for receive-from-any)
   int peer() const { return peer_; }
   uint64_t tag() const { return tag_; }
