@@ -7,6 +7,8 @@
 #include <mutex>
 #include <sstream>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "myccl/Errors.hpp"
 
@@ -38,13 +40,22 @@ std::string OpInfo::describe() const {
 namespace {
 
 // "myccl:<op>" for the profiler range, from the op's name rather than its OpType (older torch
-// releases give several ops one OpType). Interned: the profiler keeps the pointer as long as the
-// range is open; there are a few dozen op names.
-const char* profilingTitle(const std::string& op) {
+// releases give several ops one OpType). Interned, since the profiler keeps the pointer as long as
+// the range is open, and looked up per thread by the name literal's address, so that an op costs
+// no lock and no allocation here; there are a few dozen call sites.
+const char* profilingTitle(const char* name) {
+  thread_local std::vector<std::pair<const char*, const char*>> seen;
+  for (const auto& [n, title] : seen)
+    if (n == name) return title;
   static std::mutex mu;
   static std::unordered_set<std::string> titles;
-  std::lock_guard<std::mutex> lock(mu);
-  return titles.insert("myccl:" + op).first->c_str();
+  const char* title;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    title = titles.insert(std::string("myccl:") + name).first->c_str();
+  }
+  seen.emplace_back(name, title);
+  return title;
 }
 
 }  // namespace

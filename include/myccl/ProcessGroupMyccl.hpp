@@ -110,6 +110,7 @@ class MycclBackend final : public c10d::Backend {
   const std::shared_ptr<Recorder>& recorder() const { return recorder_; }
 
  private:
+  // `op` is torch's name of the op, a string literal (it becomes OpInfo::name).
   OpInfo info(c10d::OpType type, const char* op, std::chrono::milliseconds timeout, bool asyncOp = true,
               bool p2p = false);
   std::string where(const char* op) const;

@@ -19,7 +19,8 @@ namespace myccl {
 struct OpInfo {
   c10d::OpType type = c10d::OpType::UNKNOWN;
   std::string op;     // what the op is, e.g. "all_reduce", "send to 1 tag 0"
-  std::string name;   // torch's name of the op ("all_reduce", "send"): profiler ranges and stats
+  const char* name = "op";  // torch's name of the op ("all_reduce", "send"), a string literal:
+                            // profiler ranges and stats
   uint64_t seq = 0;   // per-group sequence number (collectives) or p2p counter
   int rank = -1;      // this rank in the group
   std::string group;  // group name
