@@ -101,8 +101,9 @@ def _torch_minor():
 
 # A build is for one torch minor release (c10d's C++ classes have no stable ABI), so the
 # version says which: 0.2.0+torch2.14. The wheel also requires that torch minor.
-VERSION = f"0.2.0+torch{_torch_minor()}"
-TORCH_REQUIREMENT = f"torch>={_torch_minor()},<{_torch_minor().split('.')[0]}.{int(_torch_minor().split('.')[1]) + 1}"
+_TORCH_MAJOR, _TORCH_MINOR = (int(x) for x in _torch_minor().split("."))
+VERSION = f"0.2.0+torch{_TORCH_MAJOR}.{_TORCH_MINOR}"
+TORCH_REQUIREMENT = f"torch>={_TORCH_MAJOR}.{_TORCH_MINOR},<{_TORCH_MAJOR}.{_TORCH_MINOR + 1}"
 
 nccl = _nccl_config()
 define_macros = [

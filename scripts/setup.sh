@@ -42,8 +42,8 @@ fi
 CUDA_VERSION=$("$VPY" -c "import torch; print(torch.version.cuda or '')")
 if [ -n "$CUDA_VERSION" ] && [ "${MYCCL_WITH_NCCL:-auto}" != 0 ]; then
   CUDA_HEADER_WHEELS=${CUDA_HEADER_WHEELS:-"nvidia-cuda-crt==$CUDA_VERSION.* nvidia-cuda-cccl==$CUDA_VERSION.*"}
-  if ! "$VPY" -m pip show -q nvidia-cuda-crt nvidia-cuda-cccl >/dev/null 2>&1 ||
-     ! "$VPY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('nvidia-cuda-crt').startswith('$CUDA_VERSION.') else 1)"; then
+  if ! "$VPY" -c "import importlib.metadata as m, sys
+sys.exit(not all(m.version(p).startswith('$CUDA_VERSION.') for p in ('nvidia-cuda-crt', 'nvidia-cuda-cccl')))" 2>/dev/null; then
     # shellcheck disable=SC2086
     "$VPY" -m pip install -q $CUDA_HEADER_WHEELS
   fi
