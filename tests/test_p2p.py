@@ -222,6 +222,49 @@ def _paths(stats, side: str) -> dict:
     return {k.split("/")[1]: v["count"] for k, v in stats.items() if k.startswith(side + "/")}
 
 
+def body_sender_leaves_after_send(ctx):
+    """A send is complete once its bytes are on their way: the sender may then shut its group
+    down at once, and the receiver still gets every byte. Over TCP large messages travel on the
+    data sockets while the goodbye travels on the control socket, so the goodbye can be read
+    first; it must not fail a receive whose bytes are still arriving. The sender freezes the
+    receiver from the moment its send completes until its goodbye is out, so the receiver
+    finds both waiting at once."""
+    import os
+    import signal
+
+    import c10d_ext
+
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    sizes = [(16 << 20) + 3, 4 << 20, STRIPE // 4 + 1, EAGER // 4 + 1]
+    msgs = [payload(0, k, numel) for k, numel in enumerate(sizes)]
+    # the goodbye overtook the data in one round of twenty to forty here before the fix
+    for i in range(100):
+        numel, msg = sizes[i % 4], msgs[i % 4]
+        g = dist.new_group(backend="myccl", pg_options=c10d_ext.Options(transport="tcp"))
+        if ctx.rank == 0:
+            w = dist.isend(msg, dst=1, tag=i, group=g)
+            w.wait()
+            os.kill(pids[1], signal.SIGSTOP)
+            try:
+                dist.destroy_process_group(g)
+            finally:
+                os.kill(pids[1], signal.SIGCONT)
+        else:
+            got = torch.empty(numel)
+            dist.recv(got, src=0, tag=i, group=g)
+            rep.check(torch.equal(got, msg), f"message {i} of {numel} floats")
+            dist.destroy_process_group(g)
+        dist.barrier()
+    return rep.result()
+
+
+def test_sender_leaves_right_after_send(run):
+    assert_reports(run(2, body_sender_leaves_after_send, timeout=120))
+
+
 def body_mailbox(ctx):
     """Mid-size messages between ranks of one host go through shared-memory mailbox slots:
     every byte right around the size limits; more messages in flight than slots (the rest fall

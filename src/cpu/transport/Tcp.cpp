@@ -311,6 +311,7 @@ struct TcpTransport::Peer {
   bool readingGoodbye = false;
   bool goodbyeIsFailure = false;
   bool orderlyGoodbye = false;  // the peer said it shuts down normally
+  bool lanesBroken = false;  // a data socket to it failed (some message can no longer be whole)
   std::string goodbye;
 };
 
@@ -353,6 +354,7 @@ struct TcpTransport::Lane {
     std::shared_ptr<Stripes> in;  // the message whose part is being read
     uint64_t inId = 0;
     size_t inOff = 0, inLen = 0, inGot = 0;
+    bool ended = false;  // the peer closed this socket between messages
   };
   std::vector<Conn> conns;  // by peer
 };
@@ -986,6 +988,7 @@ void TcpTransport::laneRead(Lane& lane, int peer, std::vector<std::function<void
       if (r == 0 && c.hdrGot == 0 && c.expected.empty()) {
         // Closed between messages: the peer left or died, and its control socket says which.
         epoll_ctl(lane.epfd, EPOLL_CTL_DEL, c.fd, nullptr);
+        c.ended = true;
         return;
       }
       if (lost(r) || r < 0) return;
@@ -1033,19 +1036,46 @@ void TcpTransport::laneRead(Lane& lane, int peer, std::vector<std::function<void
   }
 }
 
-// A lane failed: the epoll thread turns it into the peer's failure (it may be reading into a
-// user buffer right now, so only it may fail that peer's requests).
+// A lane failed. While the peer is alive the epoll thread turns this into the peer's failure (it
+// may be reading into a user buffer right now, so only it may fail that peer's requests). Once
+// the peer is gone, the messages still coming from it fail here, on every lane, with the reason
+// the peer gave: every message has a part on every lane, and no part of them is coming now.
 void TcpTransport::laneBroken(int peer, const std::string& why) {
-  std::lock_guard<std::mutex> lk(mu_);
-  auto& p = *peers_[peer];
-  if (p.dead || closed_) return;
-  if (p.deadReason.empty()) p.deadReason = why;
-  ::shutdown(p.fd, SHUT_RDWR);
-  wake();
+  std::vector<std::function<void()>> done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& p = *peers_[peer];
+    if (closed_) return;
+    p.lanesBroken = true;
+    if (!p.dead) {
+      if (p.deadReason.empty()) p.deadReason = why;
+      ::shutdown(p.fd, SHUT_RDWR);
+      wake();
+      return;
+    }
+    dropLanesLocked(peer, p.deadReason, false, done);
+  }
+  for (auto& f : done) f();
 }
 
-// Called with mu_ held from peerFailedLocked: fails and forgets the peer's parts on every lane.
-void TcpTransport::dropLanesLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done) {
+// Called with mu_ held from peerFailedLocked, laneBroken and close(): fails and forgets the
+// peer's parts on every lane. With keepIncoming (the peer said goodbye, no lane of it broke),
+// parts of messages it is sending here stay: it wrote them before its goodbye, they are in the
+// sockets, and each lane reads them up to the peer's end of stream (a lane that meets that end
+// with a part still missing fails them all through laneBroken). A receive granted after a lane
+// already met that end can never be whole: then nothing is kept.
+void TcpTransport::dropLanesLocked(int peer, const std::string& why, bool keepIncoming,
+                                   std::vector<std::function<void()>>& done) {
+  for (auto& lanePtr : lanes_) {
+    if (!keepIncoming) break;
+    Lane& lane = *lanePtr;
+    std::lock_guard<std::mutex> lk(lane.mu);
+    std::lock_guard<std::mutex> ik(lane.intakeMu);
+    const auto& c = lane.conns[peer];
+    bool waiting = !c.expected.empty();
+    for (const auto& nr : lane.newRecvs) waiting |= std::get<0>(nr) == peer;
+    if (c.ended && waiting) keepIncoming = false;
+  }
   auto failSt = [&](const std::shared_ptr<Stripes>& st) {
     if (!st) return;
     auto req = st->req;
@@ -1064,7 +1094,7 @@ void TcpTransport::dropLanesLocked(int peer, const std::string& why, std::vector
         failSt(it->second.st);
         it = lane.newParts.erase(it);
       }
-      for (auto it = lane.newRecvs.begin(); it != lane.newRecvs.end();) {
+      for (auto it = lane.newRecvs.begin(); it != lane.newRecvs.end() && !keepIncoming;) {
         if (std::get<0>(*it) != peer) {
           ++it;
           continue;
@@ -1076,6 +1106,7 @@ void TcpTransport::dropLanesLocked(int peer, const std::string& why, std::vector
     auto& c = lane.conns[peer];
     for (auto& pt : c.out) failSt(pt.st);
     c.out.clear();
+    if (keepIncoming) continue;
     for (auto& kv : c.expected) failSt(kv.second);
     c.expected.clear();
     failSt(c.in);
@@ -1599,7 +1630,9 @@ void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vecto
   p.activeRecvs.clear();
   for (auto& kv : p.directRecvs) failReq(kv.second->req);
   p.directRecvs.clear();
-  dropLanesLocked(peer, why, done);
+  // A peer that said goodbye wrote its messages' data-socket parts before it did: those still
+  // being read are kept.
+  dropLanesLocked(peer, why, !closed_ && (p.orderlyGoodbye || p.goodbyeIsFailure) && !p.lanesBroken, done);
   // Messages that arrived whole before the peer left are still good: a peer that finished
   // its part of an op and exited must not make this rank lose what it sent. Only partial
   // messages and announcements of data that can no longer come are dropped.
@@ -1687,6 +1720,8 @@ void TcpTransport::close(const std::string& reason, bool failure) {
         p.deadReason = reason;
         // Aborted, not PeerGone: this side chose to stop.
         peerFailedLocked(r, reason, done);
+      } else {
+        dropLanesLocked(r, p.deadReason, false, done);  // parts kept after its goodbye
       }
       if (p.fd >= 0) {
         ::close(p.fd);

@@ -106,7 +106,7 @@ class TcpTransport final : public Transport {
   void wakeLane(Lane& lane);
   void stripeSendLocked(int peer, uint64_t recvId, const RequestPtr& req, const char* data, size_t nbytes);
   void stripeRecvLocked(int peer, uint64_t recvId, const std::shared_ptr<PostedRecv>& pr);
-  void dropLanesLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done);
+  void dropLanesLocked(int peer, const std::string& why, bool keepIncoming, std::vector<std::function<void()>>& done);
 
   TcpSetup setup_;
   std::vector<std::unique_ptr<Peer>> peers_;
