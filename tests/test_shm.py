@@ -177,6 +177,11 @@ def test_ranks_that_disagree_get_an_error(run, body):
     joined = "\n".join(msgs)
     assert "myccl" in joined
     assert "while this rank runs" in joined or "disagree" in joined or "expects" in joined, joined
+    # what each rank's shared-memory step word says, decoded: op, sequence number, then count,
+    # dtype and reduce op, or bytes
+    want = (["all_reduce #1 on 1000 x float32 SUM", "all_reduce #1 on 1001 x float32 SUM"] if body is body_disagree_size
+            else ["all_reduce #1 on 1000 x float32 SUM", "all_gather #1 of 8000 bytes"])
+    assert all(w in joined for w in want), joined
 
 
 def body_helper_threads(ctx):

@@ -1,12 +1,14 @@
-// Collectives for groups that span hosts: inside a host through shared memory (or direct TCP
-// when a host has no shared memory), between hosts through one leader per host over TCP.
-// The leader of a host is its lowest rank; for rooted ops the root stands in for its host.
+// Collectives for groups that span hosts, in two levels: inside a host through shared memory (or
+// the flat algorithms over TCP when a host has no shared memory), between hosts over TCP. Small
+// ops go through one leader per host (its lowest rank; for rooted ops the root stands in for its
+// host); large all_reduce, reduce_scatter and all_gather are striped: local rank i of every host
+// carries slice i across hosts, so every rank and link of a host works at once.
 #include "Hierarchical.hpp"
 
 #include <algorithm>
 #include <cstring>
 
-#include "Direct.hpp"
+#include "Flat.hpp"
 #include "ShmAlgorithms.hpp"
 #include "myccl/Topology.hpp"
 
@@ -15,8 +17,9 @@ namespace myccl::cpu::hier {
 namespace {
 
 constexpr uint32_t kStepLeaders = 20;
-// Scratch slots above the ones the direct algorithms use (0..3).
-constexpr int kSlotA = 8, kSlotB = 9, kSlotC = 10, kSlotD = 11, kSlotWide = 12;
+// Scratch slots above the flat algorithms' (which the local and cross-host phases also run).
+constexpr int kSlotA = flat::kScratchSlots, kSlotB = kSlotA + 1, kSlotC = kSlotA + 2, kSlotD = kSlotA + 3,
+              kSlotWide = kSlotA + 4;
 // From this size all_reduce, reduce_scatter and all_gather are striped across each host's ranks
 // (below it the extra local step costs more than the narrower cross-host messages save).
 constexpr size_t kStripeMinBytes = 256 * 1024;
@@ -55,7 +58,7 @@ int indexIn(const std::vector<int>& v, int x) {
   return static_cast<int>(std::find(v.begin(), v.end(), x) - v.begin());
 }
 
-// ---- local phases: shared memory when this host has it, else direct TCP among its ranks ----
+// ---- local phases: shared memory when this host has it, else flat over TCP among its ranks ----
 
 void localReduce(CollCtx& c, Levels& L, const void* in, void* out, size_t count, const ReduceSpec& spec, int rootIdx) {
   if (L.local.size() == 1) {
@@ -64,14 +67,14 @@ void localReduce(CollCtx& c, Levels& L, const void* in, void* out, size_t count,
   }
   if (c.shm) return shmalg::reduce(c, *c.shm, in, out, count, spec, rootIdx);
   auto lc = c.sub(L.local, L.localIdx);
-  direct::reduce(lc, in, out, count, spec, rootIdx);
+  flat::reduce(lc, in, out, count, spec, rootIdx);
 }
 
 void localBroadcast(CollCtx& c, Levels& L, void* buf, size_t nbytes, int rootIdx) {
   if (L.local.size() == 1) return;
   if (c.shm) return shmalg::broadcast(c, *c.shm, buf, nbytes, rootIdx);
   auto lc = c.sub(L.local, L.localIdx);
-  direct::broadcast(lc, buf, nbytes, rootIdx);
+  flat::broadcast(lc, buf, nbytes, rootIdx);
 }
 
 void localGatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, const size_t* nbytes, int rootIdx) {
@@ -81,7 +84,7 @@ void localGatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, cons
   }
   if (c.shm) return shmalg::allgatherv(c, *c.shm, in, outs, nbytes, true, rootIdx);
   auto lc = c.sub(L.local, L.localIdx);
-  direct::gatherv(lc, in, outs, nbytes, rootIdx);
+  flat::gatherv(lc, in, outs, nbytes, rootIdx);
 }
 
 void localScatterv(CollCtx& c, Levels& L, const void* const* ins, void* out, const size_t* nbytes, int rootIdx) {
@@ -91,20 +94,20 @@ void localScatterv(CollCtx& c, Levels& L, const void* const* ins, void* out, con
   }
   if (c.shm) return shmalg::scatterv(c, *c.shm, ins, out, nbytes, rootIdx);
   auto lc = c.sub(L.local, L.localIdx);
-  direct::scatterv(lc, ins, out, nbytes, rootIdx);
+  flat::scatterv(lc, ins, out, nbytes, rootIdx);
 }
 
 void localReduceScatterv(CollCtx& c, Levels& L, const void* const* ins, void* out, const size_t* counts,
                          const ReduceSpec& spec) {
   if (c.shm) return shmalg::reduceScatterv(c, *c.shm, ins, out, counts, spec);
   auto lc = c.sub(L.local, L.localIdx);
-  direct::reduceScatterv(lc, ins, out, counts, spec);
+  flat::reduceScatterv(lc, ins, out, counts, spec);
 }
 
 void localAllgatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, const size_t* nbytes) {
   if (c.shm) return shmalg::allgatherv(c, *c.shm, in, outs, nbytes, false, 0);
   auto lc = c.sub(L.local, L.localIdx);
-  direct::allgatherv(lc, in, outs, nbytes);
+  flat::allgatherv(lc, in, outs, nbytes);
 }
 
 // stripes[i][h]: the rank with local index i on host h. Empty when the hosts hold different
@@ -140,7 +143,7 @@ void localBarrier(CollCtx& c, Levels& L) {
   if (L.local.size() == 1) return;
   if (c.shm) return shmalg::barrier(c, *c.shm);
   auto lc = c.sub(L.local, L.localIdx);
-  direct::barrier(lc);
+  flat::barrier(lc);
 }
 
 }  // namespace
@@ -202,12 +205,12 @@ void stripedAllreduce(CollCtx& c, Levels& L, const std::vector<int>& peers, void
   full.dtype = sumType;
   if (wide) {
     char* piece = static_cast<char*>(c.scratch.get(kSlotC, pc[h] * ses));
-    direct::reduceScatterv(xc, xins.data(), piece, pc.data(), full);
+    flat::reduceScatterv(xc, xins.data(), piece, pc.data(), full);
     fromFloat32(spec.dtype, reinterpret_cast<const float*>(piece), xouts[h], pc[h]);
   } else {
-    direct::reduceScatterv(xc, xins.data(), xouts[h], pc.data(), full);
+    flat::reduceScatterv(xc, xins.data(), xouts[h], pc.data(), full);
   }
-  direct::allgatherv(xc, xouts[h], xouts.data(), pbytes.data());
+  flat::allgatherv(xc, xouts[h], xouts.data(), pbytes.data());
   localAllgatherv(c, L, slice, outs.data(), bytes.data());
   c.algo = c.shm ? "hierarchical-striped-shm-tcp" : "hierarchical-striped-tcp";
 }
@@ -229,7 +232,7 @@ void leaderAllreduce(CollCtx& c, Levels& L, void* buf, size_t count, const Reduc
   localReduce(c, L, buf, buf, count, partial, 0);
   if (L.representative) {
     auto lc = c.sub(L.leaders, L.hostIdx);
-    direct::allreduce(lc, buf, count, spec);
+    flat::allreduce(lc, buf, count, spec);
   }
   localBroadcast(c, L, buf, count * dtypeSize(spec.dtype), 0);
   c.algo = c.shm ? "hierarchical-shm-tcp" : "hierarchical-tcp";
@@ -284,7 +287,7 @@ void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   }
   if (L.representative) {
     auto lc = c.sub(L.leaders, L.hostIdx);
-    direct::broadcast(lc, buf, nbytes, c.topo->hostOfRank[root]);
+    flat::broadcast(lc, buf, nbytes, c.topo->hostOfRank[root]);
   }
   localBroadcast(c, L, buf, nbytes, indexIn(L.local, L.leaders[L.hostIdx]));
   c.algo = c.shm ? "hierarchical-shm-tcp" : "hierarchical-tcp";
@@ -305,7 +308,7 @@ void stripedAllgatherv(CollCtx& c, Levels& L, const std::vector<std::vector<int>
     xbytes.push_back(nbytes[r]);
   }
   auto xc = c.sub(st[me], L.hostIdx);
-  direct::allgatherv(xc, in, xouts.data(), xbytes.data());
+  flat::allgatherv(xc, in, xouts.data(), xbytes.data());
   // A stripe's blocks are scattered through the output: share them packed, then unpack.
   std::vector<size_t> stripeBytes, stripeOff;
   const size_t total = stripeLayout(st, nbytes, stripeBytes, stripeOff);
@@ -407,7 +410,7 @@ void stripedReduceScatterv(CollCtx& c, Levels& L, const std::vector<std::vector<
     xins[h] = hostSum + o * es;
   }
   auto xc = c.sub(st[me], L.hostIdx);
-  direct::reduceScatterv(xc, xins.data(), out, xcounts.data(), spec);
+  flat::reduceScatterv(xc, xins.data(), out, xcounts.data(), spec);
   c.algo = c.shm ? "hierarchical-striped-shm-tcp" : "hierarchical-striped-tcp";
 }
 
@@ -468,7 +471,7 @@ void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t*
       }
     }
     auto lc = c.sub(L.leaders, L.hostIdx);
-    direct::reduceScatterv(lc, hostIns.data(), mine, hostCount.data(), spec);
+    flat::reduceScatterv(lc, hostIns.data(), mine, hostCount.data(), spec);
   }
   // 3. The leader hands each local rank its block.
   std::vector<const void*> pieces;
@@ -488,7 +491,7 @@ void barrier(CollCtx& c) {
   localBarrier(c, L);
   if (L.representative) {
     auto lc = c.sub(L.leaders, L.hostIdx);
-    direct::barrier(lc);
+    flat::barrier(lc);
   }
   localBarrier(c, L);
   c.algo = c.shm ? "hierarchical-shm-tcp" : "hierarchical-tcp";

@@ -19,9 +19,18 @@ namespace {
 // a second synchronisation.
 constexpr size_t kOneStepReduceBytes = 64 * 1024;
 
+// The agreement word of an op's first step (StepDesc::arg): every local rank must post the same
+// one. Reductions: count << 16 | dtype << 8 | 0x80 AVG | 0x40 scaled | op (reduce also mixes the
+// root into bits 58..63, above any count); byte movers: total bytes << 8 | root (0xff: none).
+constexpr uint64_t kAvgBit = 0x80, kScaledBit = 0x40, kRedOpMask = 0x7, kCountMask = 0xffffffffff;
+
 uint64_t reduceArg(size_t count, const ReduceSpec& spec) {
   return (static_cast<uint64_t>(count) << 16) | (static_cast<uint64_t>(spec.dtype) << 8) |
-         static_cast<uint64_t>(spec.op) | (spec.divisor ? 0x80 : 0) | (spec.scale != 0.0 ? 0x40 : 0);
+         static_cast<uint64_t>(spec.op) | (spec.divisor ? kAvgBit : 0) | (spec.scale != 0.0 ? kScaledBit : 0);
+}
+
+uint64_t bytesArg(size_t nbytes, uint64_t root) {
+  return (static_cast<uint64_t>(nbytes) << 8) | (root & 0xff);
 }
 
 void copy(CollCtx& c, void* dst, const void* src, size_t n) {
@@ -30,15 +39,11 @@ void copy(CollCtx& c, void* dst, const void* src, size_t n) {
 
 // Ops whose results, over all ranks of this host, fill at least a last-level cache write them
 // into the caller's tensors with streaming stores: memcpy reads every destination line before
-// overwriting it, which halves the copy rate into memory that is not in cache (128 MiB in 512
-// KiB pieces, one core: memcpy 9 GB/s, streaming 14-17; two processes at once: 6.6-7 vs
-// 12-15). Smaller results may still be in cache when the caller reads them, and there memcpy
-// is as fast or faster (2 ranks, 16 MiB: even; 4-8 MiB, where the benchmark's tensors stay
-// cached: memcpy 1.3-2.3x faster). Measured op by op (collbench --variants myccl-nostream, 2
-// and 4 ranks, 32-256 MiB, both configurations interleaved): all_gather, gather and all_to_all
-// 13-27% faster, broadcast even to 10% faster; scatter 3-30% and reduce 0-8% slower when
-// every rank streamed, so reduce and scatter's receivers keep memcpy. Scatter's root, the
-// bottleneck there, streams its own block only: 2 ranks 128-256 MiB +28-36%, 4 ranks +3-10%.
+// overwriting it, which costs a large share of the copy rate into memory that is not in cache.
+// Smaller results may still be in cache when the caller reads them, and there memcpy is as
+// fast or faster. Reduce and scatter's receivers keep memcpy; scatter's root streams its own
+// block only (the measurements behind each choice: docs/NOTES.md, "Large results are written
+// with streaming stores").
 // `hostBytes`: what the op writes into result tensors on this host (all local ranks
 // together); the threshold is MYCCL_STREAM_STORE_BYTES (default: the LLC's size,
 // streamCopyMinBytes()).
@@ -147,7 +152,7 @@ void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpe
 
 void broadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root) {
   const int n = g.size(), me = g.rank();
-  const StepDesc desc{c.tagBase, (static_cast<uint64_t>(nbytes) << 8) | static_cast<uint64_t>(root)};
+  const StepDesc desc{c.tagBase, bytesArg(nbytes, static_cast<uint64_t>(root))};
   const size_t chunk = g.stagingBytes();
   char* data = static_cast<char*>(buf);
   if (nbytes >= kZeroCopyMinBytes) {
@@ -228,7 +233,7 @@ void allgatherv(CollCtx& c, ShmGroup& g, const void* in, void* const* outs, cons
   const int n = g.size(), me = g.rank();
   size_t most = 0, total = 0;
   for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
-  const StepDesc desc{c.tagBase, (static_cast<uint64_t>(total) << 8) | (rootOnly ? static_cast<uint64_t>(root) : 0xff)};
+  const StepDesc desc{c.tagBase, bytesArg(total, rootOnly ? static_cast<uint64_t>(root) : 0xff)};
   const bool receiver = !rootOnly || me == root;
   const size_t written = rootOnly ? total : total * n;  // result bytes on this host
   if (receiver) copyOut(c, outs[me], in, nbytes[me], written);
@@ -262,7 +267,7 @@ void scatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const 
   const int n = g.size(), me = g.rank();
   size_t most = 0, total = 0;
   for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
-  const StepDesc desc{c.tagBase, (static_cast<uint64_t>(total) << 8) | static_cast<uint64_t>(root)};
+  const StepDesc desc{c.tagBase, bytesArg(total, static_cast<uint64_t>(root))};
   if (me == root) copyOut(c, out, ins[me], nbytes[me], total);
   c.algo = "shm-staged";
   const size_t region = std::max<size_t>(64, g.stagingBytes() / n / 64 * 64);
@@ -376,3 +381,26 @@ void barrier(CollCtx& c, ShmGroup& g) {
 }
 
 }  // namespace myccl::cpu::shmalg
+
+namespace myccl::cpu {
+
+std::string describeStep(uint64_t tagBase, uint64_t arg) {
+  std::string s = describeTag(tagBase);
+  switch (tagOpCode(tagBase)) {
+    case OpCode::Allreduce:
+    case OpCode::Reduce:
+    case OpCode::ReduceScatter:
+      return s + " on " + std::to_string((arg >> 16) & shmalg::kCountMask) + " x " +
+             dtypeName(static_cast<DType>((arg >> 8) & 0xff)) + " " +
+             redOpName(static_cast<RedOp>(arg & shmalg::kRedOpMask)) + ((arg & shmalg::kAvgBit) ? "/AVG" : "");
+    case OpCode::Broadcast:
+    case OpCode::Allgather:
+    case OpCode::Gather:
+    case OpCode::Scatter:
+      return s + " of " + std::to_string(arg >> 8) + " bytes";
+    default:
+      return s;
+  }
+}
+
+}  // namespace myccl::cpu

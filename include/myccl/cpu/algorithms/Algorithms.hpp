@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "myccl/cpu/Reduce.hpp"
+#include "myccl/cpu/algorithms/Tags.hpp"
 #include "myccl/cpu/transport/Transport.hpp"
 
 namespace myccl {
@@ -44,7 +45,7 @@ struct CollCtx {
   Transport& tp;
   int rank;
   int size;
-  uint64_t tagBase;  // unique per op: collective bit | op code | sequence number
+  uint64_t tagBase;  // unique per op (Tags.hpp); step s of the op uses tag(s)
   Deadline deadline;
   Scratch& scratch;
   size_t chunkBytes;  // segment size for pipelined large messages
@@ -91,12 +92,9 @@ void partition(size_t count, int parts, std::vector<size_t>& offsets, std::vecto
 // The agreement word of a reduction: equal on every rank that runs the same reduction.
 uint32_t agreementWord(const ReduceSpec& spec, size_t count);
 
-// Tag layout: bit 63 set for collectives; bits 56..62 op code; 16..55 sequence; 0..15 step.
-uint64_t collectiveTagBase(uint8_t opCode, uint64_t seq);
-// Point-to-point tags: bit 63 clear, the user's tag in the low 32 bits.
-uint64_t p2pTag(int userTag);
-// "all_reduce #12" for a collective tag, "send with tag 3" for a point-to-point one.
-std::string describeTag(uint64_t tag);
+// What a shared-memory step's agreement word (StepDesc::arg, set by the shared-memory
+// algorithms) says about the op, for hang reports: "all_reduce #12 on 1024 x float32 SUM".
+std::string describeStep(uint64_t tagBase, uint64_t arg);
 
 // The collectives. Each picks the algorithm for the group and size: shared memory when all
 // ranks share a host, direct exchanges over the message transport otherwise.

@@ -1,13 +1,15 @@
-// Direct (one-hop) algorithms over any message transport. Every byte crosses one link once:
-// reductions are a direct reduce-scatter (each rank owns a slice and reduces all ranks'
-// contributions to it in rank order, in one pass) followed by a direct all-gather. That keeps
-// the result bit-identical on every rank, low-precision types rounded once, and moves the same
-// bytes per rank as a ring. Large slices are cut in segments and double-buffered.
+// Flat algorithms over any message transport, chosen by size and rank count (the constants
+// below): direct exchanges (a reduction is a direct reduce-scatter, each rank reducing its own
+// slice from all ranks' contributions in rank order in one pass, then a direct all-gather:
+// bit-identical results everywhere, low-precision types rounded once), a ring and recursive
+// halving-doubling for mid-size and large all_reduces, Bruck's rounds for small all-gathers on
+// many ranks, a binomial tree for broadcasts, pairwise all-to-all, a dissemination barrier.
+// Large messages are cut in segments and double-buffered. Scratch slots 0..5 (Flat.hpp).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
-#include "Direct.hpp"
+#include "Flat.hpp"
 
 namespace myccl::cpu {
 
@@ -110,7 +112,7 @@ void bruckGather(CollCtx& c, const void* in, const size_t* nbytes, char* rot, st
 
 }  // namespace
 
-namespace direct {
+namespace flat {
 
 namespace {
 
@@ -492,5 +494,5 @@ void barrier(CollCtx& c) {
     sendRecv(c, kStepData + step, (c.rank + k) % c.size, nullptr, 0, (c.rank - k + c.size) % c.size, nullptr, 0);
 }
 
-}  // namespace direct
+}  // namespace flat
 }  // namespace myccl::cpu

@@ -1,9 +1,13 @@
-// Direct (one-hop) algorithms over any message transport (private to src/cpu/algorithms).
+// Flat algorithms: every rank of the group exchanges with its peers over the message transport,
+// with no notion of hosts (private to src/cpu/algorithms; see Flat.cpp for which runs when).
 #pragma once
 
 #include "myccl/cpu/algorithms/Algorithms.hpp"
 
-namespace myccl::cpu::direct {
+namespace myccl::cpu::flat {
+
+// Scratch slots [0, kScratchSlots) are the flat algorithms'; other families start above.
+inline constexpr int kScratchSlots = 6;
 
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec);
 void broadcast(CollCtx& c, void* buf, size_t nbytes, int root);
@@ -16,4 +20,4 @@ void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, vo
                const size_t* recvBytes);
 void barrier(CollCtx& c);
 
-}  // namespace myccl::cpu::direct
+}  // namespace myccl::cpu::flat
