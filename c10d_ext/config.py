@@ -12,14 +12,32 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
+class _CppDefault:
+    """A field's default is the one C++ declares (MYCCL_CONFIG_FIELDS in Config.hpp)."""
+
+    def __repr__(self) -> str:
+        return "<C++ default>"
+
+
+CPP = _CppDefault()
+
+
 @dataclass(frozen=True)
 class Var:
     name: str
     field: str  # attribute of _C.Config / c10d_ext.Options
     parse: Callable[[str], Any]
-    default: Any
     meaning: str
     cpp: bool = True  # False: read by the Python side only (not a per-group option)
+    python_default: Any = CPP  # only for cpp=False variables
+
+    @property
+    def default(self) -> Any:
+        if self.python_default is not CPP:
+            return self.python_default
+        from . import _C
+
+        return getattr(_C.Config(), self.field)
 
 
 def _bool(s: str) -> bool:
@@ -88,62 +106,64 @@ def _str(s: str) -> str:
 
 
 VARS: list[Var] = [
-    Var("MYCCL_TRANSPORT", "transport", _choice("auto", "tcp", "shm"), "auto",
+    Var("MYCCL_TRANSPORT", "transport", _choice("auto", "tcp", "shm"),
         "auto: shared memory between ranks of one host, TCP across hosts; tcp: TCP everywhere; "
         "shm: shared memory only (error if a peer is on another host)"),
-    Var("MYCCL_SOCKET_IFNAME", "socket_ifname", _str, "",
+    Var("MYCCL_SOCKET_IFNAME", "socket_ifname", _str,
         "interfaces for TCP, NCCL style: 'eth0', 'eth,ib' (prefixes), '=eth0' (exact), '^docker,lo' "
         "(exclude). Default: the interface that routes to MASTER_ADDR (loopback if all ranks share a host)"),
-    Var("MYCCL_HOST_ID", "host_id", _str, "",
+    Var("MYCCL_HOST_ID", "host_id", _str,
         "overrides this process's host identity (ranks with equal identities use shared memory)"),
-    Var("MYCCL_HIERARCHICAL", "hierarchical", _bool, True,
+    Var("MYCCL_HIERARCHICAL", "hierarchical", _bool,
         "groups spanning hosts: shared memory inside each host and one leader per host across "
         "hosts (1), or every rank over TCP (0)"),
-    Var("MYCCL_NUM_THREADS", "num_threads", _int(1, 64), 1,
+    Var("MYCCL_NUM_THREADS", "num_threads", _int(1, 64),
         "threads one group may use for copies and reductions, the progress thread included"),
-    Var("MYCCL_DEBUG", "debug_detail", _debug, False,
+    Var("MYCCL_DEBUG", "debug_detail", _debug,
         "DETAIL: check every op's fingerprint (op, sizes, dtype, root) across ranks before running it"),
-    Var("MYCCL_TCP_EAGER_BYTES", "tcp_eager_bytes", _bytes, 64 * 1024,
+    Var("MYCCL_TCP_EAGER_BYTES", "tcp_eager_bytes", _bytes,
         "TCP messages up to this size are sent at once; larger ones wait until the receiver is ready"),
-    Var("MYCCL_LOCAL_EAGER_BYTES", "local_eager_bytes", _bytes, 1024 * 1024,
+    Var("MYCCL_LOCAL_EAGER_BYTES", "local_eager_bytes", _bytes,
         "point-to-point messages to a rank on this host up to this size (4 MiB at most) are sent at "
         "once through one of 4 shared-memory slots per peer (from 16 KiB, when one is free; each "
         "slot gets its pages on first use); larger ones, and those that find no free slot, are "
         "copied straight out of the sender's memory once the receiver is ready. Same on every rank"),
-    Var("MYCCL_COPY_THREADS", "copy_threads", _int(1, 16), 2,
+    Var("MYCCL_COPY_THREADS", "copy_threads", _int(1, 16),
         "threads that copy one large message from a rank on this host (from 1 MiB); its sender is "
         "blocked meanwhile, so a second thread runs on the core the sender leaves idle (1: the "
         "receiving thread alone)"),
-    Var("MYCCL_SOCKETS_PER_PEER", "sockets_per_peer", _int(1, 16), 2,
+    Var("MYCCL_SOCKETS_PER_PEER", "sockets_per_peer", _int(1, 16),
         "sockets a large TCP message (from 512 KiB) to a rank on another host is spread over, each "
         "with its own thread, so several cores share the kernel's work for one stream (1: the one "
         "socket); every rank must use the same value"),
-    Var("MYCCL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", _bytes, 4 * 1024 * 1024,
+    Var("MYCCL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", _bytes,
         "segment size for pipelined TCP algorithms"),
-    Var("MYCCL_SHM_BUFFER_BYTES", "shm_buffer_bytes", _bytes, 1 << 20,
+    Var("MYCCL_SHM_BUFFER_BYTES", "shm_buffer_bytes", _bytes,
         "size of each of the two shared-memory staging buffers per rank (the pipeline chunk)"),
-    Var("MYCCL_STREAM_STORE_BYTES", "stream_store_bytes", _stream_bytes, -1,
+    Var("MYCCL_STREAM_STORE_BYTES", "stream_store_bytes", _stream_bytes,
         "results of at least this many bytes are written into the caller's tensors with streaming "
         "(cache-bypassing) stores; auto (-1): the last-level cache's size; off (0): never"),
-    Var("MYCCL_SPIN_US", "spin_us", _int(-1), -1,
+    Var("MYCCL_SPIN_US", "spin_us", _int(-1),
         "how long a waiting thread spins before sleeping, in microseconds (-1: adapt to ranks per core); "
         "a point-to-point wait() yields its core for that long instead (-1: 50)"),
-    Var("MYCCL_FLIGHT_RECORDER", "flight_recorder_entries", _int(0), 128,
+    Var("MYCCL_FLIGHT_RECORDER", "flight_recorder_entries", _int(0),
         "ops each group remembers for the flight recorder (0 turns it off); dumped on a timeout, "
         "a fatal error, SIGUSR1 or c10d_ext.trace.dump()"),
-    Var("MYCCL_FLIGHT_RECORDER_DUMP", "flight_recorder_dump", _str, "/tmp/myccl_flight_recorder",
+    Var("MYCCL_FLIGHT_RECORDER_DUMP", "flight_recorder_dump", _str,
         "directory for flight recorder dumps (one JSON file per group and rank)"),
-    Var("MYCCL_TRACE", "trace", _str, "",
-        "path prefix: write a Chrome-trace timeline per rank to <prefix>.rank<R>.json at exit", cpp=False),
-    Var("MYCCL_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "warning",
-        "level of the 'c10d_ext' Python logger (C++ messages are routed there)", cpp=False),
-    Var("MYCCL_TEST_CONNECT_DELAY_MS", "test_connect_delay_ms", _int(0), 0,
+    Var("MYCCL_TRACE", "trace", _str,
+        "path prefix: write a Chrome-trace timeline per rank to <prefix>.rank<R>.json at exit", cpp=False,
+        python_default=""),
+    Var("MYCCL_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"),
+        "level of the 'c10d_ext' Python logger (C++ messages are routed there)", cpp=False,
+        python_default="warning"),
+    Var("MYCCL_TEST_CONNECT_DELAY_MS", "test_connect_delay_ms", _int(0),
         "testing only: pause before connecting the TCP mesh (lets tests knock on a listener)"),
-    Var("MYCCL_BLOCKING_WAIT", "blocking_wait", _bool, False,
+    Var("MYCCL_BLOCKING_WAIT", "blocking_wait", _bool,
         "CUDA: Work.wait() blocks the host and raises on timeout instead of ordering streams"),
-    Var("MYCCL_AVOID_RECORD_STREAMS", "avoid_record_streams", _bool, False,
+    Var("MYCCL_AVOID_RECORD_STREAMS", "avoid_record_streams", _bool,
         "CUDA: keep tensors alive by holding them in the Work instead of recordStream"),
-    Var("MYCCL_HIGH_PRIORITY_STREAM", "high_priority_stream", _bool, False,
+    Var("MYCCL_HIGH_PRIORITY_STREAM", "high_priority_stream", _bool,
         "CUDA: run NCCL on a high-priority stream"),
 ]
 
