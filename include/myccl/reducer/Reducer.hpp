@@ -1,7 +1,10 @@
 // The gradient Reducer behind c10d_ext.DistributedDataParallel: flat bucket buffers, autograd
 // hooks that mark gradients ready, one asynchronous allreduce (or comm hook) per full bucket in
 // bucket order, and at the end of backward: wait, unflatten, write the averaged gradients.
-// It talks to any c10d::ProcessGroup through its public API, so it runs on myccl, gloo and nccl.
+// It talks to any c10d::ProcessGroup through its public API, so it runs on myccl, gloo and nccl,
+// with one exception: when the group's CPU backend is myccl it calls
+// MycclBackend::allreduceScaled (the gradient average fused into the sum), which no torch API
+// offers; other backends get a plain allreduce of pre-scaled buckets.
 #pragma once
 
 #include <ATen/core/Tensor.h>
