@@ -1,0 +1,278 @@
+// What each op launches on the CUDA engine: the NCCL calls of every collective and
+// point-to-point op, with the staging copies that make non-contiguous or mismatched tensors
+// contiguous, expressed against Launch (EngineImpl.hpp).
+#include "EngineImpl.hpp"
+
+namespace myccl::cuda {
+
+// ---- collectives ---------------------------------------------------------------------------
+
+NcclEngine::WorkPtr NcclEngine::broadcast(OpInfo info, at::Tensor t, int root) {
+  const bool isRoot = info.rank == root;
+  return impl_->submit(info, t.device(), info.asyncOp, {t}, {t}, [t, root, isRoot](Launch& L) {
+    if (t.numel() == 0) return;
+    at::Tensor buf = L.buffer(t, t.scalar_type(), /*copyIn=*/isRoot, /*copyBack=*/!isRoot);
+    const size_t n = nbytesOf(buf);
+    L.nccl([buf, n, root](const Launch& l) {
+      return ncclBroadcast(buf.data_ptr(), buf.data_ptr(), n, ncclUint8, root, l.comm(), l.stream());
+    });
+  });
+}
+
+NcclEngine::WorkPtr NcclEngine::allreduce(OpInfo info, std::vector<at::Tensor> tensors, const Reduction& red) {
+  const NcclReduce plan = planReduce(red, argWhere(info));
+  const auto dev = tensors.at(0).device();
+  // A list is coalesced: one allreduce per tensor, all in one group.
+  return impl_->submit(info, dev, info.asyncOp, tensors, tensors, [tensors, plan](Launch& L) {
+    for (const auto& t : tensors) {
+      if (t.numel() == 0) continue;
+      at::Tensor buf = L.buffer(t, plan.stage, true, true);
+      const int slot = L.redOp(plan);
+      const size_t count = static_cast<size_t>(buf.numel() * plan.perElement);
+      L.nccl([buf, count, plan, slot](const Launch& l) {
+        return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), count, plan.type, l.op(slot), l.comm(), l.stream());
+      });
+    }
+  });
+}
+
+NcclEngine::WorkPtr NcclEngine::reduce(OpInfo info, at::Tensor t, const Reduction& red, int root) {
+  const NcclReduce plan = planReduce(red, argWhere(info));
+  const bool isRoot = info.rank == root;
+  return impl_->submit(info, t.device(), info.asyncOp, {t}, {t}, [t, plan, root, isRoot](Launch& L) {
+    if (t.numel() == 0) return;
+    // Only the root's buffer receives; the others' stay as they were.
+    at::Tensor buf = L.buffer(t, plan.stage, true, /*copyBack=*/isRoot);
+    const int slot = L.redOp(plan);
+    const size_t count = static_cast<size_t>(buf.numel() * plan.perElement);
+    L.nccl([buf, count, plan, slot, root](const Launch& l) {
+      return ncclReduce(buf.data_ptr(), buf.data_ptr(), count, plan.type, l.op(slot), root, l.comm(), l.stream());
+    });
+  });
+}
+
+NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> inputs,
+                                          std::vector<std::vector<at::Tensor>> outputs) {
+  std::vector<at::Tensor> flatOut;
+  for (auto& list : outputs) flatOut.insert(flatOut.end(), list.begin(), list.end());
+  const int rank = info.rank;
+  const auto dev = inputs.at(0).device();
+  return impl_->submit(info, dev, info.asyncOp, inputs, flatOut, [inputs, outputs, rank](Launch& L) {
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      const at::Tensor& in = inputs[k];
+      const auto& outs = outputs[k];
+      const size_t size = outs.size();
+      const size_t each = nbytesOf(in);
+      // Which algorithm depends only on the block sizes, which every rank agrees on; where the
+      // bytes land (straight into the caller's buffer or through a scratch one) is local.
+      bool even = true;
+      for (const auto& o : outs) even = even && nbytesOf(o) == each;
+      if (even) {
+        if (each == 0) continue;
+        const int64_t n = in.numel();
+        const bool direct = consecutiveBlocks(outs, each);
+        at::Tensor dst = direct ? outs[0] : at::empty({static_cast<int64_t>(size) * n}, in.options());
+        void* dstPtr = dst.data_ptr();
+        at::Tensor src = L.buffer(in, in.scalar_type(), true, false);
+        // In place (the input is this rank's block) is fine for NCCL; any other overlap is not.
+        if (src.data_ptr() != static_cast<char*>(dstPtr) + rank * each &&
+            overlaps(src.data_ptr(), each, dstPtr, size * each)) {
+          src = src.clone(at::MemoryFormat::Contiguous);
+        }
+        L.nccl([src, dst, dstPtr, each](const Launch& l) {
+          return ncclAllGather(src.data_ptr(), dstPtr, each, ncclUint8, l.comm(), l.stream());
+        });
+        if (!direct) {
+          L.after([dst, outs, n]() {
+            for (size_t r = 0; r < outs.size(); ++r) {
+              outs[r].copy_(dst.narrow(0, static_cast<int64_t>(r) * n, n).view(outs[r].sizes()));
+            }
+          });
+        }
+      } else {
+        // Uneven blocks: rank r broadcasts its input into everyone's outs[r].
+        at::Tensor src = L.buffer(in, in.scalar_type(), true, false);
+        for (size_t r = 0; r < size; ++r) {
+          const size_t n = nbytesOf(outs[r]);
+          if (n == 0) continue;
+          at::Tensor dst = L.buffer(outs[r], outs[r].scalar_type(), false, true);
+          at::Tensor from = static_cast<int>(r) == rank ? src : dst;  // sendbuff is only read on the root
+          const int root = static_cast<int>(r);
+          L.nccl([from, dst, n, root](const Launch& l) {
+            return ncclBroadcast(from.data_ptr(), dst.data_ptr(), n, ncclUint8, root, l.comm(), l.stream());
+          });
+        }
+      }
+    }
+  });
+}
+
+NcclEngine::WorkPtr NcclEngine::gather(OpInfo info, at::Tensor input, std::vector<at::Tensor> outputs, int root) {
+  const int rank = info.rank;
+  return impl_->submit(info, input.device(), info.asyncOp, {input}, outputs, [input, outputs, root, rank](Launch& L) {
+    if (rank != root) {
+      const size_t n = nbytesOf(input);
+      if (n == 0) return;
+      at::Tensor src = L.buffer(input, input.scalar_type(), true, false);
+      L.nccl([src, n, root](const Launch& l) { return ncclSend(src.data_ptr(), n, ncclUint8, root, l.comm(), l.stream()); });
+      return;
+    }
+    for (size_t r = 0; r < outputs.size(); ++r) {
+      const size_t n = nbytesOf(outputs[r]);
+      if (static_cast<int>(r) == root || n == 0) continue;
+      at::Tensor dst = L.buffer(outputs[r], outputs[r].scalar_type(), false, true);
+      const int peer = static_cast<int>(r);
+      L.nccl([dst, n, peer](const Launch& l) { return ncclRecv(dst.data_ptr(), n, ncclUint8, peer, l.comm(), l.stream()); });
+    }
+    if (input.numel() > 0) outputs[root].copy_(input);  // own block: a local copy on the stream
+  });
+}
+
+NcclEngine::WorkPtr NcclEngine::scatter(OpInfo info, std::vector<at::Tensor> inputs, at::Tensor output, int root) {
+  const int rank = info.rank;
+  return impl_->submit(info, output.device(), info.asyncOp, inputs, {output}, [inputs, output, root, rank](Launch& L) {
+    if (rank != root) {
+      const size_t n = nbytesOf(output);
+      if (n == 0) return;
+      at::Tensor dst = L.buffer(output, output.scalar_type(), false, true);
+      L.nccl([dst, n, root](const Launch& l) { return ncclRecv(dst.data_ptr(), n, ncclUint8, root, l.comm(), l.stream()); });
+      return;
+    }
+    for (size_t r = 0; r < inputs.size(); ++r) {
+      const size_t n = nbytesOf(inputs[r]);
+      if (static_cast<int>(r) == root || n == 0) continue;
+      at::Tensor src = L.buffer(inputs[r], inputs[r].scalar_type(), true, false);
+      const int peer = static_cast<int>(r);
+      L.nccl([src, n, peer](const Launch& l) { return ncclSend(src.data_ptr(), n, ncclUint8, peer, l.comm(), l.stream()); });
+    }
+    if (output.numel() > 0) output.copy_(inputs[root]);
+  });
+}
+
+NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vector<at::Tensor>> inputs,
+                                              std::vector<at::Tensor> outputs, const Reduction& red,
+                                              std::vector<at::Tensor> /*userInputs*/) {
+  const NcclReduce plan = planReduce(red, argWhere(info));
+  std::vector<at::Tensor> flatIn;
+  for (auto& list : inputs) flatIn.insert(flatIn.end(), list.begin(), list.end());
+  const int rank = info.rank;
+  const auto dev = outputs.at(0).device();
+  return impl_->submit(info, dev, info.asyncOp, flatIn, outputs, [inputs, outputs, plan, rank](Launch& L) {
+    for (size_t k = 0; k < outputs.size(); ++k) {
+      const auto& ins = inputs[k];
+      const at::Tensor& out = outputs[k];
+      const int64_t n = out.numel();
+      bool even = true;
+      for (const auto& b : ins) even = even && b.numel() == n;
+      const int slot = L.redOp(plan);
+      if (even) {
+        if (n == 0) continue;
+        const size_t each = static_cast<size_t>(n) * c10::elementSize(plan.stage);
+        at::Tensor src;
+        if (ins.at(0).scalar_type() == plan.stage && consecutiveBlocks(ins, each)) {
+          src = ins[0];  // the blocks already form one flat input
+        } else {
+          src = at::empty({static_cast<int64_t>(ins.size()) * n}, out.options().dtype(plan.stage));
+          for (size_t r = 0; r < ins.size(); ++r) {
+            src.narrow(0, static_cast<int64_t>(r) * n, n).view(ins[r].sizes()).copy_(ins[r]);
+          }
+        }
+        void* srcPtr = src.data_ptr();
+        at::Tensor dst = L.buffer(out, plan.stage, false, true);
+        // In place (the output is this rank's block of the input) is fine; other overlap is not.
+        if (dst.data_ptr() != static_cast<char*>(srcPtr) + rank * each &&
+            overlaps(dst.data_ptr(), each, srcPtr, ins.size() * each)) {
+          at::Tensor fresh = at::empty(out.sizes(), out.options().dtype(plan.stage).memory_format(at::MemoryFormat::Contiguous));
+          L.after([out, fresh]() mutable { out.copy_(fresh); });
+          dst = fresh;
+        }
+        const size_t count = static_cast<size_t>(n * plan.perElement);
+        L.nccl([src, srcPtr, dst, count, plan, slot](const Launch& l) {
+          return ncclReduceScatter(srcPtr, dst.data_ptr(), count, plan.type, l.op(slot), l.comm(), l.stream());
+        });
+      } else {
+        // Uneven blocks: one reduce per rank, rooted at the rank that keeps that block.
+        for (size_t r = 0; r < ins.size(); ++r) {
+          const int64_t m = ins[r].numel();
+          if (m == 0) continue;
+          at::Tensor src = L.buffer(ins[r], plan.stage, true, false);
+          at::Tensor dst = static_cast<int>(r) == rank ? L.buffer(out, plan.stage, false, true) : src;
+          const size_t count = static_cast<size_t>(m * plan.perElement);
+          const int root = static_cast<int>(r);
+          L.nccl([src, dst, count, plan, slot, root](const Launch& l) {
+            return ncclReduce(src.data_ptr(), dst.data_ptr(), count, plan.type, l.op(slot), root, l.comm(), l.stream());
+          });
+        }
+      }
+    }
+  });
+}
+
+NcclEngine::WorkPtr NcclEngine::alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                                         std::vector<at::Tensor> /*userInputs*/) {
+  const int rank = info.rank;
+  const auto dev = inputs.at(0).device();
+  return impl_->submit(info, dev, info.asyncOp, inputs, outputs, [inputs, outputs, rank](Launch& L) {
+    for (size_t r = 0; r < inputs.size(); ++r) {
+      const int peer = static_cast<int>(r);
+      if (peer == rank) {
+        if (inputs[r].numel() > 0) outputs[r].copy_(inputs[r].reshape(outputs[r].sizes()));
+        continue;
+      }
+      // Sizes may differ per peer; each pair agrees on its own (what I send is what it expects).
+      const size_t sendBytes = nbytesOf(inputs[r]), recvBytes = nbytesOf(outputs[r]);
+      if (sendBytes > 0) {
+        at::Tensor src = L.buffer(inputs[r], inputs[r].scalar_type(), true, false);
+        L.nccl([src, sendBytes, peer](const Launch& l) {
+          return ncclSend(src.data_ptr(), sendBytes, ncclUint8, peer, l.comm(), l.stream());
+        });
+      }
+      if (recvBytes > 0) {
+        at::Tensor dst = L.buffer(outputs[r], outputs[r].scalar_type(), false, true);
+        L.nccl([dst, recvBytes, peer](const Launch& l) {
+          return ncclRecv(dst.data_ptr(), recvBytes, ncclUint8, peer, l.comm(), l.stream());
+        });
+      }
+    }
+  });
+}
+
+NcclEngine::WorkPtr NcclEngine::barrier(OpInfo info, at::Device device) {
+  if (!device.has_index()) device = at::Device(at::kCUDA, c10::cuda::current_device());
+  // One element through the communicator: every rank's kernel must meet every other's.
+  at::Tensor token = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  Reduction sum;
+  NcclReduce plan = planReduce(sum, argWhere(info));
+  return impl_->submit(
+      info, device, /*asyncOp=*/true, {}, {token},
+      [token, plan](Launch& L) {
+        const int slot = L.redOp(plan);
+        L.nccl([token, plan, slot](const Launch& l) {
+          return ncclAllReduce(token.data_ptr(), token.data_ptr(), 1, plan.type, l.op(slot), l.comm(), l.stream());
+        });
+      },
+      /*hostSync=*/true);
+}
+
+// ---- point-to-point ------------------------------------------------------------------------
+
+NcclEngine::WorkPtr NcclEngine::send(OpInfo info, at::Tensor t, int peer, int /*tag*/) {
+  // Point-to-point always runs on the NCCL stream: a send must not serialise the caller's stream.
+  return impl_->submit(info, t.device(), /*asyncOp=*/true, {t}, {t}, [t, peer](Launch& L) {
+    const size_t n = nbytesOf(t);
+    if (n == 0) return;
+    at::Tensor src = L.buffer(t, t.scalar_type(), true, false);
+    L.nccl([src, n, peer](const Launch& l) { return ncclSend(src.data_ptr(), n, ncclUint8, peer, l.comm(), l.stream()); });
+  });
+}
+
+NcclEngine::WorkPtr NcclEngine::recv(OpInfo info, at::Tensor t, int peer, int /*tag*/) {
+  return impl_->submit(info, t.device(), /*asyncOp=*/true, {}, {t}, [t, peer](Launch& L) {
+    const size_t n = nbytesOf(t);
+    if (n == 0) return;
+    at::Tensor dst = L.buffer(t, t.scalar_type(), false, true);
+    L.nccl([dst, n, peer](const Launch& l) { return ncclRecv(dst.data_ptr(), n, ncclUint8, peer, l.comm(), l.stream()); });
+  });
+}
+
+}  // namespace myccl::cuda
