@@ -19,11 +19,9 @@
 
 namespace myccl {
 
+class Engine;
 namespace cpu {
 class CpuEngine;
-}
-namespace cuda {
-class NcclEngine;
 }
 
 class MycclBackend final : public c10d::Backend {
@@ -98,7 +96,7 @@ class MycclBackend final : public c10d::Backend {
   void shutdown() override;
 
   // For c10d_ext: topology, build and transport details.
-  const Topology& topology() const { return topo_; }
+  const Topology& topology() const;
   const std::string& groupName() const { return group_; }
   std::chrono::milliseconds timeout() const { return timeout_.load(); }
   std::string describeLinks() const;
@@ -117,21 +115,19 @@ class MycclBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> record(c10::intrusive_ptr<c10d::Work> w);
   // Which engine: all tensors on CPU, or all on CUDA (with NCCL built); anything else raises.
   bool isCuda(const char* op, const std::vector<at::Tensor>& tensors) const;
-  cuda::NcclEngine& nccl(const char* op);
-  Reduction reduction(const char* op, const at::Tensor& t, const c10d::ReduceOp& rop) const;
+  Engine& engineFor(const char* op, const std::vector<at::Tensor>& tensors);
+  Engine& cudaEngine(const char* op);  // made on first use
+  std::vector<Engine*> engines();      // those that exist, CPU first
 
   const std::string group_;
   const std::vector<int64_t> globalRanks_;
   const Config cfg_;
   std::atomic<std::chrono::milliseconds> timeout_;
   c10::intrusive_ptr<c10d::Store> store_;
-  std::string keyPrefix_;  // this incarnation's key space in the store
-  std::atomic<uint64_t> sharedCount_{0};
-  Topology topo_;
   std::shared_ptr<Recorder> recorder_;
   std::unique_ptr<cpu::CpuEngine> cpu_;
-  std::shared_ptr<cuda::NcclEngine> nccl_;  // shared_ptr: complete type not needed without NCCL
-  std::mutex ncclMu_;
+  std::shared_ptr<Engine> cuda_;
+  std::mutex cudaMu_;
   std::atomic<uint64_t> collSeq_{0};
   std::atomic<uint64_t> p2pSeq_{0};
 

@@ -7,6 +7,10 @@
 
 #include "myccl/Log.hpp"
 #include "myccl/cpu/Copy.hpp"
+#include "myccl/cpu/Parallel.hpp"
+#include "myccl/cpu/algorithms/Algorithms.hpp"
+#include "myccl/cpu/transport/Shm.hpp"
+#include "myccl/cpu/transport/Transport.hpp"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -50,10 +54,16 @@ at::Tensor privateCopy(const at::Tensor& t) {
 
 }  // namespace
 
-CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, const Topology& topo,
+CpuEngine::CpuEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
                      std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder)
-    : transport_(std::move(transport)), shm_(std::move(shm)), topo_(topo), rank_(topo.rank), size_(topo.size),
-      group_(std::move(group)), cfg_(cfg), recorder_(std::move(recorder)) {
+    : CpuEngine(store, bootstrapGroup(*store, rank, size, timeout, group, cfg), std::move(group), cfg,
+                std::move(recorder)) {}
+
+CpuEngine::CpuEngine(c10::intrusive_ptr<c10d::Store> store, GroupLinks links, std::string group, const Config& cfg,
+                     std::shared_ptr<Recorder> recorder)
+    : store_(std::move(store)), keyPrefix_(links.keyPrefix), transport_(std::move(links.transport)),
+      shm_(std::move(links.shm)), topo_(links.topo), rank_(topo_.rank), size_(topo_.size), group_(std::move(group)),
+      cfg_(cfg), scratch_(std::make_unique<Scratch>()), recorder_(std::move(recorder)) {
   if (cfg_.numThreads > 1) par_ = std::make_unique<Parallel>(cfg_.numThreads);  // the op's own thread + helpers
   // A point-to-point wait yields its core for a while before sleeping (MycclWork::wait):
   // MYCCL_SPIN_US, -1 meaning 50 µs. Yielding gives the core to any thread that can run, so
@@ -68,21 +78,7 @@ CpuEngine::CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGr
       auto t = tp.lock();
       return t ? t->peerGone(peer) : std::string("transport closed");
     });
-    shm_->setDescriber([](const StepDesc& d) {
-      // The agreement word's layout per op is set in ShmAlgorithms.cpp.
-      std::ostringstream os;
-      os << describeTag(d.op);
-      const auto code = static_cast<OpCode>((d.op >> 56) & 0x7f);
-      if (code == OpCode::Allreduce || code == OpCode::Reduce || code == OpCode::ReduceScatter) {
-        os << " on " << ((d.arg >> 16) & 0xffffffffffull) << " x "
-           << dtypeName(static_cast<DType>((d.arg >> 8) & 0xff)) << " " << redOpName(static_cast<RedOp>(d.arg & 0x7))
-           << ((d.arg & 0x80) ? "/AVG" : "");
-      } else if (code == OpCode::Broadcast || code == OpCode::Allgather || code == OpCode::Gather ||
-                 code == OpCode::Scatter) {
-        os << " of " << (d.arg >> 8) << " bytes";
-      }
-      return os.str();
-    });
+    shm_->setDescriber([](const StepDesc& d) { return describeStep(d.op, d.arg); });
   }
   // When a peer fails, dump what this rank was doing: with every survivor's dump,
   // `python -m c10d_ext.trace analyze` can tell who was where.
@@ -199,8 +195,8 @@ void CpuEngine::runOp(Op& op) {
   op.work->markStarted();
   recorder_->started(op.record);
   const auto& info = op.work->info();
-  CollCtx ctx{*transport_, rank_, size_, collectiveTagBase(static_cast<uint8_t>(op.code), info.seq),
-              Clock::now() + info.timeout, scratch_,
+  CollCtx ctx{*transport_, rank_, size_, collectiveTagBase(op.code, info.seq),
+              Clock::now() + info.timeout, *scratch_,
               static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get(), &topo_};
   ctx.hierarchical = cfg_.hierarchical;
   ctx.par = par_.get();
@@ -280,9 +276,8 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
 // letting later ops run on a desynchronised group.
 void CpuEngine::checkStrays(uint64_t seq) {
   for (auto& [peer, tag] : transport_->unmatched()) {
-    if (!(tag >> 63)) continue;  // point-to-point messages may legitimately wait
-    const uint64_t theirSeq = (tag >> 16) & 0xffffffffffull;
-    if (theirSeq >= (seq & 0xffffffffffull)) continue;  // a peer simply ahead of us
+    if (!isCollectiveTag(tag)) continue;  // point-to-point messages may legitimately wait
+    if (tagSeq(tag) >= (seq & kSeqMask)) continue;  // a peer simply ahead of us
     throw CommError(CommErrorKind::Protocol,
                     "rank " + std::to_string(peer) + " sent data for " + describeTag(tag) +
                         " that this rank never received: the ranks disagreed about that op (its root, or whether "
@@ -310,7 +305,7 @@ void CpuEngine::checkFingerprint(CollCtx& ctx, const Op& op) {
   constexpr size_t kLen = 200;
   fp.resize(kLen, '\0');
   CollCtx fctx = ctx;
-  fctx.tagBase = collectiveTagBase(static_cast<uint8_t>(OpCode::Fingerprint), i.seq);
+  fctx.tagBase = collectiveTagBase(OpCode::Fingerprint, i.seq);
   std::vector<char> all(kLen * size_);
   std::vector<void*> outs(size_);
   std::vector<size_t> sizes(size_, kLen);
@@ -370,6 +365,22 @@ void CpuEngine::shutdown() {
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
   transport_->close("it shut down its process group");
   if (shm_) shm_->abort("process group shut down");
+}
+
+std::string CpuEngine::describeLinks() const {
+  std::ostringstream os;
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) os << "rank " << r << ": " << transport_->describePeer(r) << "\n";
+  return os.str();
+}
+
+int CpuEngine::rejectedConnections() const {
+  return transport_->rejectedConnections();
+}
+
+at::Tensor CpuEngine::sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  // Every rank calls this in the same order, so the counter names the same tensor everywhere.
+  return cpu::sharedTensor(*store_, keyPrefix_, topo_, ++sharedCount_, shape, dtype);
 }
 
 at::Tensor CpuEngine::allocateTensor(int64_t numel, const at::TensorOptions& options) {
@@ -602,7 +613,7 @@ CpuEngine::WorkPtr CpuEngine::alltoall(OpInfo info, std::vector<at::Tensor> inpu
   });
 }
 
-CpuEngine::WorkPtr CpuEngine::barrier(OpInfo info) {
+CpuEngine::WorkPtr CpuEngine::barrier(OpInfo info, at::Device /*device*/) {
   auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{}, std::vector<at::Tensor>{});
   return enqueue(w, OpCode::Barrier, [](CollCtx& c) { cpu::barrier(c); });
 }

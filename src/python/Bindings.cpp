@@ -1,12 +1,14 @@
 // The Python module c10d_ext._C: the backend class, its Config, build facts and a few hooks
-// for tests. The only file that includes pybind11 (torch's bundled copy, so the c10d::Backend
-// holder type matches torch's).
+// for tests; the Reducer's part is in ReducerBindings.cpp. src/python/ holds the only files that
+// include pybind11 (torch's bundled copy, so the c10d::Backend holder type matches torch's).
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <ATen/ATen.h>
 
+#include "myccl/Arguments.hpp"
+#include "myccl/Engine.hpp"
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
 #include "myccl/ProcessGroupMyccl.hpp"
@@ -16,9 +18,8 @@
 #include "myccl/cpu/transport/Shm.hpp"
 
 #include <sys/stat.h>
-#ifdef MYCCL_WITH_NCCL
-#include "myccl/cuda/NcclEngine.hpp"
-#endif
+
+#include "Bindings.hpp"
 
 namespace py = pybind11;
 
@@ -87,210 +88,14 @@ myccl::RedOp parseRedOp(const std::string& s) {
   throw py::value_error("unknown reduce op " + s);
 }
 
-myccl::DType dtypeOf(at::ScalarType st) {
-  using myccl::DType;
-  switch (st) {
-    case at::kFloat: return DType::F32;
-    case at::kDouble: return DType::F64;
-    case at::kHalf: return DType::F16;
-    case at::kBFloat16: return DType::BF16;
-    case at::kChar: return DType::I8;
-    case at::kByte: return DType::U8;
-    case at::kShort: return DType::I16;
-    case at::kInt: return DType::I32;
-    case at::kLong: return DType::I64;
-    case at::kBool: return DType::Bool;
-    case at::kComplexFloat: return DType::C64;
-    case at::kComplexDouble: return DType::C128;
-    default: throw py::value_error(std::string("unsupported dtype ") + c10::toString(st));
-  }
+myccl::DType reducibleDtype(at::ScalarType st) {
+  auto dt = myccl::dtypeOf(st);
+  if (!dt) throw py::value_error("unsupported dtype " + myccl::scalarTypeName(st));
+  return *dt;
 }
 
 }  // namespace
 
-// ==== DDP Reducer bindings (c10d_ext.DistributedDataParallel, src/reducer) ====================
-// One block for the Reducer: the Python comm-hook adapter, GradBucket, Reducer and the model
-// state helpers. Called once, as the last line of PYBIND11_MODULE.
-#include <torch/csrc/jit/python/pybind_utils.h>
-
-#include "myccl/reducer/Reducer.hpp"
-
-namespace {
-
-namespace rd = myccl::reducer;
-
-// A py::object that may be dropped on a thread without the GIL (the autograd thread).
-std::shared_ptr<py::object> gilSafe(py::object o) {
-  return std::shared_ptr<py::object>(new py::object(std::move(o)), [](py::object* p) {
-    py::gil_scoped_acquire gil;
-    delete p;
-  });
-}
-
-// hook(state, bucket) -> torch.futures.Future, as for torch's DDP.
-class PyCommHook final : public rd::CommHook {
- public:
-  PyCommHook(py::object state, py::object hook) : state_(gilSafe(std::move(state))), hook_(gilSafe(std::move(hook))) {}
-
-  c10::intrusive_ptr<c10::ivalue::Future> run(const std::shared_ptr<rd::GradBucket>& bucket) override {
-    py::gil_scoped_acquire gil;
-    py::object fut;
-    try {
-      fut = (*hook_)(*state_, bucket);
-    } catch (py::error_already_set& e) {
-      // The autograd engine carries C++ exceptions, not Python ones.
-      MYCCL_CHECK(false, "ddp: the comm hook raised for bucket ", bucket->index(), ": ", e.what());
-    }
-    try {
-      return fut.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
-    } catch (const py::cast_error&) {
-      MYCCL_CHECK(false, "ddp: the comm hook must return a torch.futures.Future, it returned ",
-                  py::str(py::type::of(fut)).cast<std::string>());
-    }
-  }
-
-  at::Tensor result(const c10::IValue& value) override {
-    if (!value.isPyObject()) return rd::tensorFromFutureValue(value, "comm hook");
-    py::gil_scoped_acquire gil;
-    py::object obj = torch::jit::toPyObject(value);
-    if ((py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) && py::len(obj) > 0)
-      obj = obj[py::int_(0)];
-    try {
-      return obj.cast<at::Tensor>();
-    } catch (const py::cast_error&) {
-      MYCCL_CHECK(false, "ddp: the comm hook's future must hold a tensor (the bucket's reduced gradients), got ",
-                  py::str(py::type::of(obj)).cast<std::string>());
-    }
-  }
-
- private:
-  std::shared_ptr<py::object> state_, hook_;
-};
-
-py::dict iterationToDict(const rd::IterationStats& s) {
-  py::list buckets;
-  for (const auto& b : s.buckets) {
-    py::dict d;
-    d["index"] = b.index;
-    d["nbytes"] = b.nbytes;
-    d["num_params"] = b.numParams;
-    d["sparse"] = b.sparse;
-    d["backend_memory"] = b.backendMemory;
-    d["fused_average"] = b.fusedAverage;
-    d["grad_copies"] = b.gradCopies;
-    d["ready_us"] = b.readyUs;
-    d["launch_us"] = b.launchUs;
-    d["done_us"] = b.doneUs ? b.doneUs->load() : 0;
-    buckets.append(d);
-  }
-  py::dict d;
-  d["iteration"] = s.iteration;
-  d["backward_start_us"] = s.backwardStartUs;
-  d["backward_end_us"] = s.backwardEndUs;
-  d["finished_us"] = s.finishedUs;
-  d["buckets"] = buckets;
-  return d;
-}
-
-}  // namespace
-
-void bindReducer(py::module& m) {
-  py::class_<rd::GradBucket, std::shared_ptr<rd::GradBucket>>(m, "GradBucket")
-      .def("index", &rd::GradBucket::index)
-      .def("buffer", &rd::GradBucket::buffer)
-      .def("gradients", &rd::GradBucket::gradients)
-      .def("parameters", &rd::GradBucket::parameters)
-      .def("is_last", &rd::GradBucket::isLast)
-      .def("set_buffer", &rd::GradBucket::setBuffer, py::arg("buffer"));
-
-  py::class_<rd::Reducer, std::shared_ptr<rd::Reducer>>(m, "Reducer")
-      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<bool> sparse,
-                       const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t bucketCapBytes,
-                       int64_t firstBucketCapBytes, bool findUnused, bool gradientAsBucketView, bool staticGraph,
-                       size_t statsIterations) {
-             rd::ReducerOptions o;
-             o.caps.bytes = bucketCapBytes;
-             o.caps.firstBytes = firstBucketCapBytes;
-             o.findUnusedParameters = findUnused;
-             o.gradientAsBucketView = gradientAsBucketView;
-             o.staticGraph = staticGraph;
-             o.statsIterations = statsIterations;
-             return std::make_shared<rd::Reducer>(std::move(params), std::move(names), std::move(sparse), pg, o);
-           }),
-           py::arg("params"), py::arg("names"), py::arg("expect_sparse"), py::arg("process_group"),
-           py::arg("bucket_cap_bytes"), py::arg("first_bucket_cap_bytes"), py::arg("find_unused_parameters"),
-           py::arg("gradient_as_bucket_view"), py::arg("static_graph"), py::arg("stats_iterations") = 10,
-           py::call_guard<py::gil_scoped_release>())
-      .def("prepare_for_forward", &rd::Reducer::prepareForForward, py::call_guard<py::gil_scoped_release>())
-      .def("rebuild_buckets", &rd::Reducer::rebuildBucketsIfDue, py::call_guard<py::gil_scoped_release>())
-      .def("set_fused_average", &rd::Reducer::setFusedAverage, py::arg("on"), py::call_guard<py::gil_scoped_release>())
-      .def("set_grad_alias", &rd::Reducer::setGradAlias, py::arg("on"), py::call_guard<py::gil_scoped_release>())
-      .def("prepare_for_backward", &rd::Reducer::prepareForBackward, py::arg("outputs"), py::arg("sink_attached"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("backward_started", &rd::Reducer::backwardStarted, py::call_guard<py::gil_scoped_release>())
-      .def(
-          "set_join_future",
-          [](rd::Reducer& r, const std::shared_ptr<torch::jit::PythonFutureWrapper>& fut, bool divideByInitial) {
-            auto f = fut->fut;
-            py::gil_scoped_release nogil;
-            r.setJoinFuture(std::move(f), divideByInitial);
-          },
-          py::arg("future"), py::arg("divide_by_initial_world_size"))
-      .def("shadow_backward", &rd::Reducer::shadowBackward, py::call_guard<py::gil_scoped_release>())
-      .def(
-          "register_comm_hook",
-          [](rd::Reducer& r, py::object state, py::object hook) {
-            auto h = std::make_shared<PyCommHook>(std::move(state), std::move(hook));
-            py::gil_scoped_release nogil;
-            r.registerCommHook(std::move(h));
-          },
-          py::arg("state"), py::arg("hook"))
-      .def(
-          "set_iteration_observer",
-          [](rd::Reducer& r, py::object fn) {
-            std::function<void(const rd::IterationStats&)> obs;
-            if (!fn.is_none()) {
-              auto f = gilSafe(std::move(fn));
-              obs = [f](const rd::IterationStats& s) {
-                py::gil_scoped_acquire gil;
-                try {
-                  (*f)(iterationToDict(s));
-                } catch (py::error_already_set& e) {
-                  e.discard_as_unraisable("c10d_ext DDP iteration observer");  // tracing never breaks training
-                }
-              };
-            }
-            py::gil_scoped_release nogil;
-            r.setIterationObserver(std::move(obs));
-          },
-          py::arg("observer"))
-      .def("bucket_stats",
-           [](const rd::Reducer& r) {
-             std::vector<rd::IterationStats> s;
-             {
-               py::gil_scoped_release nogil;
-               s = r.stats();
-             }
-             py::list out;
-             for (const auto& it : s) out.append(iterationToDict(it));
-             return out;
-           })
-      .def("bucket_plan", &rd::Reducer::plan, py::call_guard<py::gil_scoped_release>())
-      .def("bucket_buffers", &rd::Reducer::bucketBuffers, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("synced_iterations", py::cpp_function(&rd::Reducer::syncedIterations,
-                                                                    py::call_guard<py::gil_scoped_release>()));
-
-  m.def("_ddp_assign_buckets", &rd::assignBuckets, py::arg("params"), py::arg("order"), py::arg("expect_sparse"),
-        py::arg("caps"));
-  py::class_<rd::BucketCaps>(m, "BucketCaps")
-      .def(py::init([](int64_t first, int64_t bytes) { return rd::BucketCaps{first, bytes}; }), py::arg("first_bytes"),
-           py::arg("bytes"));
-  m.def("_ddp_verify_params", &rd::verifyParamsAcrossRanks, py::arg("process_group"), py::arg("params"),
-        py::arg("names"), py::call_guard<py::gil_scoped_release>());
-  m.def("_ddp_broadcast_coalesced", &rd::broadcastCoalesced, py::arg("process_group"), py::arg("tensors"),
-        py::arg("chunk_bytes"), py::arg("root"), py::call_guard<py::gil_scoped_release>());
-}
-// ==== end of DDP Reducer bindings =============================================================
 
 PYBIND11_DECLARE_HOLDER_TYPE(T, NoGilHolder<T>, true);
 
@@ -299,29 +104,11 @@ PYBIND11_MODULE(_C, m) {
   // for another torch may not even link against the torch in this process.
   py::module::import("torch.distributed");
 
-  py::class_<myccl::Config>(m, "Config")
-      .def(py::init<>())
-      .def_readwrite("transport", &myccl::Config::transport)
-      .def_readwrite("socket_ifname", &myccl::Config::socketIfname)
-      .def_readwrite("master_addr", &myccl::Config::masterAddr)
-      .def_readwrite("host_id", &myccl::Config::hostId)
-      .def_readwrite("num_threads", &myccl::Config::numThreads)
-      .def_readwrite("hierarchical", &myccl::Config::hierarchical)
-      .def_readwrite("debug_detail", &myccl::Config::debugDetail)
-      .def_readwrite("tcp_eager_bytes", &myccl::Config::tcpEagerBytes)
-      .def_readwrite("local_eager_bytes", &myccl::Config::localEagerBytes)
-      .def_readwrite("copy_threads", &myccl::Config::copyThreads)
-      .def_readwrite("sockets_per_peer", &myccl::Config::socketsPerPeer)
-      .def_readwrite("tcp_chunk_bytes", &myccl::Config::tcpChunkBytes)
-      .def_readwrite("spin_us", &myccl::Config::spinUs)
-      .def_readwrite("stream_store_bytes", &myccl::Config::streamStoreBytes)
-      .def_readwrite("shm_buffer_bytes", &myccl::Config::shmBufferBytes)
-      .def_readwrite("blocking_wait", &myccl::Config::blockingWait)
-      .def_readwrite("avoid_record_streams", &myccl::Config::avoidRecordStreams)
-      .def_readwrite("high_priority_stream", &myccl::Config::highPriorityStream)
-      .def_readwrite("test_connect_delay_ms", &myccl::Config::testConnectDelayMs)
-      .def_readwrite("flight_recorder_entries", &myccl::Config::flightRecorderEntries)
-      .def_readwrite("flight_recorder_dump", &myccl::Config::flightRecorderDump);
+  py::class_<myccl::Config> config(m, "Config");
+  config.def(py::init<>());
+#define MYCCL_BIND_CONFIG(type, member, pyName, dflt) config.def_readwrite(pyName, &myccl::Config::member);
+  MYCCL_CONFIG_FIELDS(MYCCL_BIND_CONFIG)
+#undef MYCCL_BIND_CONFIG
 
   py::class_<myccl::MycclBackend, c10d::Backend, NoGilHolder<myccl::MycclBackend>>(m, "MycclBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -365,13 +152,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", []() {
     py::dict d;
     d["torch_version"] = MYCCL_TORCH_VERSION;
-#ifdef MYCCL_WITH_NCCL
-    d["with_nccl"] = true;
-    d["nccl_runtime_version"] = myccl::cuda::NcclEngine::version();
-#else
-    d["with_nccl"] = false;
-    d["nccl_runtime_version"] = py::none();
-#endif
+    d["with_nccl"] = myccl::cudaEngineBuilt();
+    if (myccl::cudaEngineBuilt()) {
+      d["nccl_runtime_version"] = myccl::ncclRuntimeVersion();
+    } else {
+      d["nccl_runtime_version"] = py::none();
+    }
     d["reduce_isa"] = myccl::cpu::reduceIsa();
 #if defined(__VERSION__)
     d["compiler"] = __VERSION__;
@@ -441,7 +227,7 @@ PYBIND11_MODULE(_C, m) {
           ptrs.push_back(t.data_ptr());
         }
         TORCH_CHECK(out.is_contiguous(), "output must be contiguous");
-        myccl::ReduceSpec spec{dtypeOf(out.scalar_type()), parseRedOp(op), divisor, scale};
+        myccl::ReduceSpec spec{reducibleDtype(out.scalar_type()), parseRedOp(op), divisor, scale};
         py::gil_scoped_release nogil;
         myccl::cpu::reduceInto(spec, out.data_ptr(), ptrs.data(), static_cast<int>(ptrs.size()), out.numel());
       },

@@ -16,23 +16,20 @@
 #include <vector>
 
 #include "myccl/Config.hpp"
+#include "myccl/Engine.hpp"
 #include "myccl/Recorder.hpp"
 #include "myccl/Topology.hpp"
 #include "myccl/Work.hpp"
-#include "myccl/cpu/Parallel.hpp"
-#include "myccl/cpu/Reduce.hpp"
-#include "myccl/cpu/algorithms/Algorithms.hpp"
-#include "myccl/cpu/transport/Shm.hpp"
-#include "myccl/cpu/transport/Transport.hpp"
+#include "myccl/cpu/Bootstrap.hpp"
+#include "myccl/cpu/algorithms/Tags.hpp"
 
 namespace myccl::cpu {
 
-// Operation codes carried in collective tags (7 bits); distinct per collective so that ranks
-// that disagree on which op they are in never match each other's messages.
-enum class OpCode : uint8_t {
-  Broadcast = 1, Allreduce, Reduce, Allgather, Gather, Scatter, ReduceScatter, Alltoall, Barrier,
-  Fingerprint = 0x7e,  // MYCCL_DEBUG=DETAIL's cross-rank check before an op
-};
+class Transport;
+class ShmGroup;
+class Parallel;
+class Scratch;
+struct CollCtx;
 
 // Counts, bytes and time per (op, algorithm). Shared with p2p completion callbacks, which
 // may run after the engine is gone.
@@ -53,56 +50,50 @@ class Stats {
   std::vector<Entry> entries_;
 };
 
-class CpuEngine {
+class CpuEngine final : public Engine {
  public:
-  // `shm` is set when every rank of the group shares this host: collectives then go through
-  // shared memory, point-to-point and liveness through `transport`.
-  CpuEngine(std::shared_ptr<Transport> transport, std::shared_ptr<ShmGroup> shm, const Topology& topo,
+  // Collective over the group: bootstraps its links (Bootstrap.hpp), then starts the op thread.
+  CpuEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
             std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder);
-  ~CpuEngine();
+  ~CpuEngine() override;
 
-  using WorkPtr = c10::intrusive_ptr<MycclWork>;
-
-  // Every op returns at once with a Work the progress thread completes. Tensors are views
-  // the caller has validated; non-contiguous ones are staged and written back.
-  WorkPtr broadcast(OpInfo info, at::Tensor t, int root);
-  WorkPtr allreduce(OpInfo info, std::vector<at::Tensor> tensors, const Reduction& red);
-  WorkPtr reduce(OpInfo info, at::Tensor t, const Reduction& red, int root);
-  // outputs[i][r] receives rank r's inputs[i]; block sizes may differ per rank.
-  WorkPtr allgather(OpInfo info, std::vector<at::Tensor> inputs, std::vector<std::vector<at::Tensor>> outputs);
-  WorkPtr gather(OpInfo info, at::Tensor input, std::vector<at::Tensor> outputs, int root);
-  WorkPtr scatter(OpInfo info, std::vector<at::Tensor> inputs, at::Tensor output, int root);
-  // inputs[i][r] is this rank's contribution to rank r's outputs[i].
-  // `userInputs`: the tensors the caller passed when `inputs` are views cut out of them (what
-  // the profiler reports as the op's input shapes).
+  WorkPtr broadcast(OpInfo info, at::Tensor t, int root) override;
+  WorkPtr allreduce(OpInfo info, std::vector<at::Tensor> tensors, const Reduction& red) override;
+  WorkPtr reduce(OpInfo info, at::Tensor t, const Reduction& red, int root) override;
+  WorkPtr allgather(OpInfo info, std::vector<at::Tensor> inputs, std::vector<std::vector<at::Tensor>> outputs) override;
+  WorkPtr gather(OpInfo info, at::Tensor input, std::vector<at::Tensor> outputs, int root) override;
+  WorkPtr scatter(OpInfo info, std::vector<at::Tensor> inputs, at::Tensor output, int root) override;
   WorkPtr reduceScatter(OpInfo info, std::vector<std::vector<at::Tensor>> inputs, std::vector<at::Tensor> outputs,
-                        const Reduction& red, std::vector<at::Tensor> userInputs = {});
-  // inputs[r] goes to rank r, outputs[r] comes from rank r.
+                        const Reduction& red, std::vector<at::Tensor> userInputs = {}) override;
   WorkPtr alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
-                   std::vector<at::Tensor> userInputs = {});
-  WorkPtr barrier(OpInfo info);
+                   std::vector<at::Tensor> userInputs = {}) override;
+  WorkPtr barrier(OpInfo info, at::Device device = at::kCPU) override;
 
-  // Point-to-point: posted to the transport now, completed by it; never queued behind
-  // collectives. wait() on them is bounded by the op timeout.
-  WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag);
-  WorkPtr recv(OpInfo info, at::Tensor t, int peer, int tag);
+  WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag) override;
+  WorkPtr recv(OpInfo info, at::Tensor t, int peer, int tag) override;
   WorkPtr recvAny(OpInfo info, at::Tensor t, int tag);
 
-  // Fails queued ops and closes the transport now.
-  void abort(const std::string& why);
-  // Lets queued ops finish (each within its own timeout), then closes.
-  void shutdown();
+  void abort(const std::string& why) override;
+  void shutdown() override;
+  bool failed() const override;
+  bool timedOut() const override;
 
-  bool failed() const;
-  bool timedOut() const;
+  const Topology& topology() const { return topo_; }
   Transport& transport() { return *transport_; }
+  // "rank 1: tcp 127.0.0.1:4242" per peer, one a line.
+  std::string describeLinks() const;
+  // Connections refused during setup because they did not present the group's secret.
+  int rejectedConnections() const;
   bool usesSharedMemory() const { return shm_ != nullptr; }
   Stats& stats() { return *stats_; }
-  // A CPU tensor of `numel` elements in registered shared memory (collectives on it skip the
-  // staging copies); an ordinary tensor when shared memory is not in use or is exhausted.
   at::Tensor allocateTensor(int64_t numel, const at::TensorOptions& options);
+  // Collective: see cpu::sharedTensor (Bootstrap.hpp).
+  at::Tensor sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype);
 
  private:
+  CpuEngine(c10::intrusive_ptr<c10d::Store> store, GroupLinks links, std::string group, const Config& cfg,
+            std::shared_ptr<Recorder> recorder);
+
   struct Op {
     WorkPtr work;
     OpCode code;
@@ -119,6 +110,9 @@ class CpuEngine {
   std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
   void checkUsable(const OpInfo& info) const;
 
+  c10::intrusive_ptr<c10d::Store> store_;
+  const std::string keyPrefix_;
+  std::atomic<uint64_t> sharedCount_{0};
   std::shared_ptr<Transport> transport_;
   std::shared_ptr<ShmGroup> shm_;
   std::unique_ptr<Parallel> par_;
@@ -129,7 +123,7 @@ class CpuEngine {
   const int size_;
   const std::string group_;
   const Config cfg_;
-  Scratch scratch_;
+  std::unique_ptr<Scratch> scratch_;
   std::shared_ptr<Stats> stats_ = std::make_shared<Stats>();
   std::shared_ptr<Recorder> recorder_;
 

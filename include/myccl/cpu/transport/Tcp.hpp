@@ -63,8 +63,7 @@ class TcpTransport final : public Transport {
   std::string peerGone(int peer) const override;
   std::vector<std::pair<int, uint64_t>> unmatched() const override;
 
-  // Connections refused during setup because they did not present the group secret.
-  int rejectedConnections() const { return rejected_.load(); }
+  int rejectedConnections() const override { return rejected_.load(); }
 
  private:
   struct Frame;

@@ -97,6 +97,8 @@ class Transport {
   virtual bool cancel(const RequestPtr& req) { return false; }
   // Messages that arrived but match no posted receive: (peer, tag). Explains hangs.
   virtual std::vector<std::pair<int, uint64_t>> unmatched() const { return {}; }
+  // Connections refused during setup because they did not present the group's secret.
+  virtual int rejectedConnections() const { return 0; }
 };
 
 // Waits for every request; the first failure is thrown at once. Requests still pending then

@@ -1,0 +1,47 @@
+// The backend's vocabulary for its arguments: torch's names for dtypes and shapes (what users
+// read in errors, traces and the flight recorder), translation of torch's dtypes and ReduceOps
+// into the engines' Reduction, the checks several ops share, and each rank's block of a flat
+// tensor. Every error names the op and the rank (`where`) and the offending value.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "myccl/Reduction.hpp"
+#include "myccl/Work.hpp"
+
+namespace myccl {
+
+// torch's Python name of a dtype ("float32", "uint16").
+std::string scalarTypeName(at::ScalarType st);
+// "[4, 1024]"; on every op (flight recorder), so without stream machinery.
+std::string shapeOf(const at::Tensor& t);
+// "float32[4, 1024] on cpu"
+std::string describe(const at::Tensor& t);
+// The element type the reduction kernels know, if any.
+std::optional<DType> dtypeOf(at::ScalarType st);
+const char* reduceOpName(c10d::ReduceOp::RedOpType op);
+
+// What a ReduceOp means for this tensor's dtype in a group of `size` ranks; rejects
+// combinations that have no meaning (AVG of bool, MIN of complex, bitwise on floats).
+Reduction toReduction(const std::string& where, const at::Tensor& t, const c10d::ReduceOp& rop, int size);
+
+// What the flight recorder, traces and cross-rank checks say about an op.
+void annotate(OpInfo& i, const at::Tensor& t, int64_t root, const char* redop);
+
+void checkRoot(const std::string& where, int64_t root, int size);
+void checkPeer(const std::string& where, int peer, int rank, int size);
+const at::Tensor& single(const std::string& where, const std::vector<at::Tensor>& ts, const char* what = "tensor");
+void checkWritable(const std::string& where, const at::Tensor& t, const char* what);
+void checkSameDtype(const std::string& where, const at::Tensor& ref, const at::Tensor& t, const char* what);
+
+// Rows [first, first + count) of `t`, as t.narrow(0, first, count) gives them.
+at::Tensor rowSlice(const at::Tensor& t, int64_t first, int64_t count);
+// Row-major blocks of `t` for each rank: block r holds elements [r*n, (r+1)*n).
+std::vector<at::Tensor> blocks(const std::string& where, const at::Tensor& t, int size, int64_t n, const char* what);
+
+}  // namespace myccl

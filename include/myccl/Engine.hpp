@@ -1,0 +1,69 @@
+// The one interface the backend routes every op to: the CPU engine (our transports, src/cpu)
+// and the CUDA engine (NCCL, src/cuda) both implement it. The backend has already checked the
+// arguments and filled OpInfo (sequence number, timeout, asyncOp); an engine only runs the op
+// and hands back its Work. Whether a CUDA engine exists in this build is decided in one place,
+// makeCudaEngine().
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "myccl/Config.hpp"
+#include "myccl/Reduction.hpp"
+#include "myccl/Work.hpp"
+
+namespace myccl {
+
+class Engine {
+ public:
+  using WorkPtr = c10::intrusive_ptr<MycclWork>;
+  virtual ~Engine() = default;
+
+  // Tensors are on this engine's device, validated. `userInputs`: the caller's own input
+  // tensors when `inputs` are views of them (kept alive and recorded as the op's inputs).
+  virtual WorkPtr broadcast(OpInfo info, at::Tensor t, int root) = 0;
+  virtual WorkPtr allreduce(OpInfo info, std::vector<at::Tensor> tensors, const Reduction& red) = 0;
+  virtual WorkPtr reduce(OpInfo info, at::Tensor t, const Reduction& red, int root) = 0;
+  virtual WorkPtr allgather(OpInfo info, std::vector<at::Tensor> inputs,
+                            std::vector<std::vector<at::Tensor>> outputs) = 0;
+  virtual WorkPtr gather(OpInfo info, at::Tensor input, std::vector<at::Tensor> outputs, int root) = 0;
+  virtual WorkPtr scatter(OpInfo info, std::vector<at::Tensor> inputs, at::Tensor output, int root) = 0;
+  virtual WorkPtr reduceScatter(OpInfo info, std::vector<std::vector<at::Tensor>> inputs,
+                                std::vector<at::Tensor> outputs, const Reduction& red,
+                                std::vector<at::Tensor> userInputs = {}) = 0;
+  virtual WorkPtr alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                           std::vector<at::Tensor> userInputs = {}) = 0;
+  // `device`: the device whose work the barrier also orders (the CPU engine has one).
+  virtual WorkPtr barrier(OpInfo info, at::Device device) = 0;
+  virtual WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag) = 0;
+  virtual WorkPtr recv(OpInfo info, at::Tensor t, int peer, int tag) = 0;
+
+  // Ops issued between the two are issued together (batch_isend_irecv); the Work of
+  // endCoalescing covers those the engine held back (null when it held none back).
+  virtual void startCoalescing() {}
+  virtual WorkPtr endCoalescing(const OpInfo& info) { return {}; }
+
+  virtual void eagerConnect(at::Device device) {}
+  virtual void setTimeout(std::chrono::milliseconds timeout) {}
+  virtual void abort(const std::string& why) = 0;  // no waiting for peers
+  virtual void shutdown() = 0;                      // finish queued work, then leave
+  virtual bool failed() const = 0;
+  virtual bool timedOut() const = 0;
+};
+
+// The CUDA engine of a group (communicators made lazily), or an error naming `where` when this
+// build has no NCCL.
+std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_ptr<c10d::Store> store, int rank,
+                                       int size, const std::string& group, const Config& cfg,
+                                       std::chrono::milliseconds timeout);
+// Whether makeCudaEngine can succeed in this build.
+bool cudaEngineBuilt();
+// The version of the libnccl this process loaded ("" without the CUDA engine).
+std::string ncclRuntimeVersion();
+
+}  // namespace myccl

@@ -1,0 +1,40 @@
+// Group bootstrap for the CPU engine: everything a group needs before its first op, made once,
+// collectively, through the store (as NCCL keeps bootstrap and init apart from enqueue): this
+// incarnation's key space, the topology, the group's secret, the shared-memory group with its
+// mailboxes, and the TCP mesh. Also the group's shared tensors, which meet through the store too.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "myccl/Config.hpp"
+#include "myccl/Topology.hpp"
+
+namespace myccl::cpu {
+
+class Transport;
+class ShmGroup;
+
+struct GroupLinks {
+  std::string keyPrefix;  // this incarnation's key space in the store
+  Topology topo;
+  std::shared_ptr<ShmGroup> shm;  // null: no shared memory among this host's ranks of the group
+  std::shared_ptr<Transport> transport;
+};
+
+// Collective over the group. A store reused across destroy/init never serves a previous
+// group's addresses or secret: every incarnation takes a fresh key space.
+GroupLinks bootstrapGroup(c10d::Store& store, int rank, int size, std::chrono::milliseconds timeout,
+                          const std::string& group, const Config& cfg);
+
+// Collective over the group's ranks: a zero-filled CPU tensor whose storage every rank of the
+// group on this host maps (one copy per host). `serial` numbers the calls (the same on every
+// rank); the segment's name is gone from /dev/shm once every local rank has mapped it.
+at::Tensor sharedTensor(c10d::Store& store, const std::string& keyPrefix, const Topology& topo, uint64_t serial,
+                        const std::vector<int64_t>& shape, at::ScalarType dtype);
+
+}  // namespace myccl::cpu

@@ -1,0 +1,127 @@
+// How a CPU group comes up: key space, topology, secret, shared memory, TCP mesh (see
+// Bootstrap.hpp). Transport choices made here: loopback listeners for single-host groups,
+// direct copies and mailbox slots between ranks of one host unless TCP is forced everywhere.
+#include "myccl/cpu/Bootstrap.hpp"
+
+#include <ATen/ops/from_blob.h>
+
+#include <sys/mman.h>
+
+#include <algorithm>
+
+#include "myccl/Errors.hpp"
+#include "myccl/Log.hpp"
+#include "myccl/cpu/transport/Net.hpp"
+#include "myccl/cpu/transport/Shm.hpp"
+#include "myccl/cpu/transport/Tcp.hpp"
+
+namespace myccl::cpu {
+
+namespace {
+
+// Every rank commits up to ShmGroup::kMailboxSlots slots of this size per local peer.
+constexpr int64_t kMaxMailboxSlotBytes = 4 << 20;
+
+// The group's secret: every connection must present it before any data is accepted.
+std::string groupSecret(c10d::Store& store, const std::string& prefix, int rank) {
+  if (rank == 0) {
+    std::string token = randomHex(16);
+    store.set(prefix + "secret", std::vector<uint8_t>(token.begin(), token.end()));
+    return token;
+  }
+  auto v = store.get(prefix + "secret");
+  return std::string(v.begin(), v.end());
+}
+
+// Shared memory among this host's ranks of the group (all of them, or one level of a
+// hierarchical group that spans hosts); null when there is no other local rank, when TCP is
+// forced, or (with a warning) when shared memory is unavailable and not required.
+std::shared_ptr<ShmGroup> sharedMemory(c10d::Store& store, const std::string& prefix, const Topology& topo,
+                                       std::chrono::milliseconds timeout, const Config& cfg) {
+  if (topo.localSize <= 1 || cfg.transport == "tcp") return nullptr;
+  ShmGroup::Options so;
+  so.rank = topo.localRank;
+  so.groupRanks = topo.localRanks;
+  so.stagingBytes = static_cast<size_t>(cfg.shmBufferBytes);
+  so.spinUs = cfg.spinUs;
+  so.timeout = timeout;
+  // Mailbox slots for local messages up to the eager limit.
+  so.mailboxSlotBytes = static_cast<size_t>(std::clamp<int64_t>(cfg.localEagerBytes, 0, kMaxMailboxSlotBytes));
+  try {
+    return std::make_shared<ShmGroup>(store, prefix, so);
+  } catch (const ShmUnavailable& e) {
+    MYCCL_CHECK(cfg.transport != "shm", "init (rank ", topo.rank,
+                "): MYCCL_TRANSPORT=shm but shared memory is unavailable: ", e.what());
+    logOnce("shm-unavailable", LogLevel::Warning,
+            std::string("shared memory unavailable (") + e.what() + "); using TCP between local ranks");
+    return nullptr;
+  }
+}
+
+}  // namespace
+
+GroupLinks bootstrapGroup(c10d::Store& store, int rank, int size, std::chrono::milliseconds timeout,
+                          const std::string& group, const Config& cfg) {
+  GroupLinks links;
+  const int64_t ticket = store.add("myccl/incarnation", 1);
+  links.keyPrefix = "myccl/" + std::to_string((ticket - 1) / size) + "/";
+  const std::string& prefix = links.keyPrefix;
+  links.topo = Topology::exchange(store, prefix, rank, size, hostIdentity(cfg.hostId));
+  const Topology& topo = links.topo;
+  const std::string token = groupSecret(store, prefix, rank);
+
+  TcpSetup setup;
+  setup.rank = rank;
+  setup.size = size;
+  setup.timeout = timeout;
+  setup.eagerBytes = cfg.tcpEagerBytes;
+  setup.localEagerBytes = cfg.localEagerBytes;
+  setup.copyThreads = cfg.copyThreads;
+  setup.socketsPerPeer = cfg.socketsPerPeer;
+  setup.connectDelay = std::chrono::milliseconds(cfg.testConnectDelayMs);
+  // Ranks that all live on one host talk over loopback unless told otherwise; nothing else on
+  // the network can even reach the listener then.
+  setup.bindAddress = (topo.singleHost() && cfg.socketIfname.empty())
+                          ? "127.0.0.1"
+                          : chooseListenAddress(cfg.socketIfname, cfg.masterAddr);
+  // Large messages between ranks of this host are copied straight from the sender's memory,
+  // unless TCP was asked for everywhere.
+  if (cfg.transport != "tcp") {
+    setup.directPeers.resize(size);
+    for (int r = 0; r < size; ++r) setup.directPeers[r] = r != rank && topo.sameHost(rank, r);
+  }
+  links.shm = sharedMemory(store, prefix, topo, timeout, cfg);
+  MYCCL_CHECK_ARG(cfg.transport != "shm" || topo.singleHost(), "init (rank ", rank,
+                  "): MYCCL_TRANSPORT=shm but the group spans ", topo.crossSize, " hosts");
+  // Made after shared memory, which it may use for local messages: its epoll thread starts
+  // with the mailbox in place, so no announcement can arrive before there is one.
+  if (links.shm && links.shm->mailboxSlotBytes() > 0) setup.mailbox = std::make_shared<ShmMailbox>(links.shm);
+  links.transport = std::make_shared<TcpTransport>(store, prefix + "tcp/", setup, token);
+  if (logEnabled(LogLevel::Info)) {
+    log(LogLevel::Info, "group '" + group + "' rank " + std::to_string(rank) + "/" + std::to_string(size) + ": " +
+                            std::to_string(topo.crossSize) + " host(s), collectives over " +
+                            (links.shm ? "shared memory" : "TCP") + ", TCP listener on " + setup.bindAddress);
+  }
+  return links;
+}
+
+at::Tensor sharedTensor(c10d::Store& store, const std::string& keyPrefix, const Topology& topo, uint64_t serial,
+                        const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  int64_t numel = 1;
+  for (auto d : shape) numel *= d;
+  const size_t nbytes = std::max<size_t>(64, static_cast<size_t>(numel) * c10::elementSize(dtype));
+  const std::string key = keyPrefix + "shared/" + std::to_string(serial) + "/host" + std::to_string(topo.crossRank);
+  std::shared_ptr<ShmSegment> seg;
+  if (topo.localRank == 0) {
+    seg = ShmSegment::create(nbytes);
+    store.set(key, std::vector<uint8_t>(seg->name().begin(), seg->name().end()));
+  } else {
+    auto v = store.get(key);
+    seg = ShmSegment::open(std::string(v.begin(), v.end()), nbytes);
+  }
+  // The last local rank to map it removes the name: nothing is left in /dev/shm.
+  if (store.add(key + "/mapped", 1) == topo.localSize) shm_unlink(seg->name().c_str());
+  return at::from_blob(seg->data(), shape, [seg](void*) {}, at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+}  // namespace myccl::cpu
