@@ -6,6 +6,7 @@
 #include "myccl/cpu/Engine.hpp"
 
 #include "myccl/Log.hpp"
+#include "myccl/Threads.hpp"
 #include "myccl/cpu/Copy.hpp"
 #include "myccl/cpu/Parallel.hpp"
 #include "myccl/cpu/algorithms/Algorithms.hpp"
@@ -99,13 +100,7 @@ CpuEngine::~CpuEngine() {
     stop_ = true;
   }
   cv_.notify_all();
-  if (thread_.joinable()) {
-    if (thread_.get_id() == std::this_thread::get_id()) {
-      thread_.detach();
-    } else {
-      thread_.join();
-    }
-  }
+  joinOrDetach(thread_);
   transport_->close("process group destroyed");
   if (shm_) shm_->abort("process group destroyed");
 }

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "myccl/Errors.hpp"
+#include "myccl/Threads.hpp"
 #include "myccl/cuda/NcclComm.hpp"
 #include "myccl/cuda/NcclWork.hpp"
 
@@ -46,13 +47,7 @@ void Watchdog::stop() {
     stop_ = true;
   }
   cv_.notify_all();
-  if (thread_.joinable()) {
-    if (thread_.get_id() == std::this_thread::get_id()) {
-      thread_.detach();
-    } else {
-      thread_.join();
-    }
-  }
+  joinOrDetach(thread_);
 }
 
 void Watchdog::addComm(std::shared_ptr<NcclComm> comm) {

@@ -37,6 +37,21 @@ void copy(CollCtx& c, void* dst, const void* src, size_t n) {
   parallelCopy(c, dst, src, n);
 }
 
+// Step A of a chunked reduction: stage in this rank's buffer the slices of `base` that the other
+// ranks reduce (slice q = [so[q], +sc[q]) elements of es bytes), post, and wait for everyone's.
+// Returns the step, whose buffers the reducing step reads.
+uint32_t stageSlices(CollCtx& c, ShmGroup& g, const StepDesc& desc, const char* base, const std::vector<size_t>& so,
+                     const std::vector<size_t>& sc, size_t es) {
+  const int n = g.size(), me = g.rank();
+  const uint32_t a = g.begin(desc, c.deadline);
+  char* stage = g.buffer(me, a & 1);
+  for (int q = 0; q < n; ++q)
+    if (q != me) copy(c, stage + so[q] * es, base + so[q] * es, sc[q] * es);
+  g.post(a);
+  g.waitAll(a, c.deadline);
+  return a;
+}
+
 // Ops whose results, over all ranks of this host, fill at least a last-level cache write them
 // into the caller's tensors with streaming stores: memcpy reads every destination line before
 // overwriting it, which costs a large share of the copy rate into memory that is not in cache.
@@ -130,13 +145,7 @@ void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpe
     const size_t m = std::min(chunk, count - off);
     partition(m, n, so, sc);
     char* base = data + off * es;
-    // Step A: stage the slices the other ranks reduce.
-    const uint32_t a = g.begin(desc, c.deadline);
-    char* stageA = g.buffer(me, a & 1);
-    for (int q = 0; q < n; ++q)
-      if (q != me) copy(c, stageA + so[q] * es, base + so[q] * es, sc[q] * es);
-    g.post(a);
-    g.waitAll(a, c.deadline);
+    const uint32_t a = stageSlices(c, g, desc, base, so, sc, es);
     // Step B: reduce my slice out of everybody's step-A buffer, publish it.
     const uint32_t b = g.begin(desc, c.deadline);
     char* mine = base + so[me] * es;
@@ -205,12 +214,7 @@ void reduce(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, co
     const size_t m = std::min(chunk, count - off);
     partition(m, n, so, sc);
     const char* base = src + off * es;
-    const uint32_t a = g.begin(desc, c.deadline);
-    char* stageA = g.buffer(me, a & 1);
-    for (int q = 0; q < n; ++q)
-      if (q != me) copy(c, stageA + so[q] * es, base + so[q] * es, sc[q] * es);
-    g.post(a);
-    g.waitAll(a, c.deadline);
+    const uint32_t a = stageSlices(c, g, desc, base, so, sc, es);
     const uint32_t b = g.begin(desc, c.deadline);
     // The input must stay untouched: my reduced slice goes to staging (or straight to `out`).
     char* dst = (me == root) ? static_cast<char*>(out) + (off + so[me]) * es : g.buffer(me, b & 1) + so[me] * es;
