@@ -20,6 +20,9 @@
 namespace myccl::cpu {
 
 class ShmMailbox;
+namespace tcp {
+struct Frame;
+}
 
 struct TcpSetup {
   int rank = 0;
@@ -67,7 +70,7 @@ class TcpTransport final : public Transport {
   int rejectedConnections() const { return rejected_.load(); }
 
  private:
-  struct Frame;
+  using Frame = tcp::Frame;
   struct SendItem;
   struct PostedRecv;
   struct Unexpected;
@@ -76,7 +79,13 @@ class TcpTransport final : public Transport {
   struct Part;
   struct Lane;
 
+  // Setup (TcpMesh.cpp).
   void connectMesh(c10d::Store& store, const std::string& keyPrefix, const std::string& token);
+  // A posted receive meets a message already here (Tcp.cpp).
+  void matchPostedLocked(const std::shared_ptr<PostedRecv>& pr, std::vector<std::function<void()>>& done);
+  void grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, uint64_t sendId, const Frame& rts,
+                   std::vector<std::function<void()>>& done);
+  // The epoll thread: frames in and out on the control sockets (TcpLoop.cpp).
   void ioLoop();
   void handleReadable(int peer, std::vector<std::function<void()>>& done);
   void handleWritable(int peer, std::vector<std::function<void()>>& done);
@@ -84,17 +93,16 @@ class TcpTransport final : public Transport {
   void finishRead(int peer, std::vector<std::function<void()>>& done);
   void pushSend(int peer, std::unique_ptr<SendItem> item, std::vector<std::function<void()>>& done);
   void flushLocked(int peer, std::vector<std::function<void()>>& done);
-  void peerFailedLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done);
-  void matchPostedLocked(const std::shared_ptr<PostedRecv>& pr, std::vector<std::function<void()>>& done);
   void updateInterestLocked(int peer);
-  void grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, uint64_t sendId, const Frame& rts,
-                   std::vector<std::function<void()>>& done);
+  void wake();
+  // A peer that is gone (TcpShutdown.cpp, with close()).
+  void peerFailedLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done);
+  // Same-host fast paths (TcpSameHost.cpp).
   void directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedRecv> pr, uint64_t sendId, uint64_t addr,
                   uint64_t pid);
   void takeFromMailboxLocked(int peer, int slot, std::shared_ptr<PostedRecv> pr,
                              std::vector<std::function<void()>>& done);
-  void wake();
-  // Lanes: extra data sockets to peers on other hosts (none when socketsPerPeer < 2).
+  // Lanes: extra data sockets to peers on other hosts, none when socketsPerPeer < 2 (TcpLanes.cpp).
   bool hasLanes(int peer) const;
   bool striped(int peer, size_t nbytes) const;
   void laneLoop(Lane& lane);

@@ -1,0 +1,397 @@
+// The TCP transport's epoll thread: reads every control socket, acts on each frame as its header
+// arrives (reading a payload straight into its destination), and writes what the posting
+// threads could not; sends are written by the posting thread when the socket is idle.
+#include "myccl/cpu/transport/TcpState.hpp"
+#include "myccl/cpu/transport/Shm.hpp"
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+namespace myccl::cpu {
+
+using namespace tcp;
+
+void TcpTransport::wake() {
+  uint64_t one = 1;
+  ssize_t r = ::write(wakeFd_, &one, sizeof(one));
+  (void)r;
+}
+
+void TcpTransport::pushSend(int peer, std::unique_ptr<SendItem> item, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  const bool wasIdle = p.sendq.empty();
+  p.sendq.push_back(std::move(item));
+  if (wasIdle) flushLocked(peer, done);
+}
+
+// Writes as much of the send queue as the socket takes without blocking.
+void TcpTransport::flushLocked(int peer, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  while (!p.sendq.empty() && !p.dead) {
+    SendItem& it = *p.sendq.front();
+    if (!writeFrameSome(p.fd, reinterpret_cast<char*>(&it.hdr), it.hdrOff, sizeof(Frame), it.data, it.nbytes,
+                        it.off)) {
+      // Failure handling belongs to the epoll thread (it may be reading into a user buffer
+      // right now); make it notice.
+      p.deadReason = "sending to rank " + std::to_string(peer) + " (" + p.addr + ") failed: " + errnoStr(errno);
+      ::shutdown(p.fd, SHUT_RDWR);
+      wake();
+      break;
+    }
+    if (it.hdrOff < sizeof(Frame) || it.off < it.nbytes) break;  // the socket is full
+    if (it.req) {
+      auto req = it.req;
+      done.push_back([req, peer] { req->complete(peer); });
+    }
+    p.sendq.pop_front();
+  }
+  const bool want = !p.sendq.empty() && !p.dead;
+  if (want != p.wantOut) {
+    p.wantOut = want;
+    updateInterestLocked(peer);
+  }
+}
+
+void TcpTransport::updateInterestLocked(int peer) {
+  auto& p = *peers_[peer];
+  if (p.fd < 0 || epfd_ < 0) return;
+  epoll_event ev{};
+  ev.events = EPOLLIN | (p.wantOut ? EPOLLOUT : 0);
+  ev.data.u32 = static_cast<uint32_t>(peer);
+  epoll_ctl(epfd_, EPOLL_CTL_MOD, p.fd, &ev);
+}
+
+void TcpTransport::ioLoop() {
+  constexpr int kMaxEvents = 64;
+  epoll_event events[kMaxEvents];
+  std::vector<std::function<void()>> done;
+  while (!stopping_.load(std::memory_order_acquire)) {
+    int n = epoll_wait(epfd_, events, kMaxEvents, 1000);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      uint32_t id = events[i].data.u32;
+      if (id == UINT32_MAX) {
+        uint64_t v;
+        while (::read(wakeFd_, &v, sizeof(v)) > 0) {
+        }
+        continue;
+      }
+      int peer = static_cast<int>(id);
+      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) handleReadable(peer, done);
+      if (events[i].events & EPOLLOUT) handleWritable(peer, done);
+    }
+    // A posting thread may have broken a socket; the read path turns that into a failure.
+    for (auto& f : done) f();
+    done.clear();
+  }
+}
+
+void TcpTransport::handleWritable(int peer, std::vector<std::function<void()>>& done) {
+  std::lock_guard<std::mutex> lk(mu_);
+  flushLocked(peer, done);
+}
+
+void TcpTransport::handleReadable(int peer, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  if (p.dead) return;
+  // Bound the work per wake-up so one busy peer cannot starve the others.
+  for (int rounds = 0; rounds < 64; ++rounds) {
+    if (!p.inPayload) {
+      ssize_t r = ::recv(p.fd, reinterpret_cast<char*>(&p.hdr) + p.hdrGot, sizeof(Frame) - p.hdrGot, 0);
+      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        std::lock_guard<std::mutex> lk(mu_);
+        std::string why = !p.deadReason.empty() ? p.deadReason
+                          : r == 0 ? "rank " + std::to_string(peer) + " (" + p.addr +
+                                         ") closed the connection: the process exited or crashed"
+                                   : "connection to rank " + std::to_string(peer) + " (" + p.addr +
+                                         ") failed: " + errnoStr(errno);
+        peerFailedLocked(peer, why, done);
+        return;
+      }
+      if (r < 0) return;
+      p.hdrGot += static_cast<size_t>(r);
+      if (p.hdrGot < sizeof(Frame)) continue;
+      p.hdrGot = 0;
+      std::lock_guard<std::mutex> lk(mu_);
+      onHeader(peer, p.hdr, done);
+      if (p.dead) return;
+      if (!p.inPayload) continue;
+      if (p.targetLen == 0) {
+        finishRead(peer, done);
+        continue;
+      }
+    }
+    // Payload: straight into its destination, without holding the lock.
+    char* dst = p.discarding ? p.sink.data() : p.target + p.targetGot;
+    size_t want = p.discarding ? std::min(p.sink.size(), p.targetLen - p.targetGot) : p.targetLen - p.targetGot;
+    ssize_t r = ::recv(p.fd, dst, want, 0);
+    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      std::lock_guard<std::mutex> lk(mu_);
+      std::string why = !p.deadReason.empty() ? p.deadReason
+                        : "rank " + std::to_string(peer) + " (" + p.addr +
+                              ") closed the connection in the middle of a message: the process exited or crashed";
+      peerFailedLocked(peer, why, done);
+      return;
+    }
+    if (r < 0) return;
+    p.targetGot += static_cast<size_t>(r);
+    if (p.targetGot == p.targetLen) {
+      std::lock_guard<std::mutex> lk(mu_);
+      finishRead(peer, done);
+    }
+  }
+}
+
+// Called with mu_ held when a full frame header has arrived from `peer`.
+void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  if ((f.magicKind >> 8) != kMagic) {
+    peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (bad frame magic)", done);
+    return;
+  }
+  const uint32_t kind = f.magicKind & 0xff;
+  p.discarding = false;
+  p.readingFor.reset();
+  p.readingUnexpected.reset();
+  p.target = nullptr;
+  p.targetLen = 0;
+  p.targetGot = 0;
+  p.inPayload = false;
+
+  auto startDiscard = [&](size_t n) {
+    p.discarding = true;
+    if (p.sink.empty()) p.sink.resize(1 << 16);
+    p.targetLen = n;
+    p.inPayload = true;
+  };
+
+  if (kind == kMailbox &&
+      !(setup_.mailbox && f.id < static_cast<uint64_t>(ShmGroup::kMailboxSlots) &&
+        f.nbytes <= setup_.mailbox->slotBytes() && setup_.mailbox->holds(peer, static_cast<int>(f.id)))) {
+    peerFailedLocked(peer,
+                     "protocol error: rank " + std::to_string(peer) + " announced a message in shared-memory slot " +
+                         std::to_string(f.id) + " that holds none",
+                     done);
+    return;
+  }
+  if (kind == kEager || kind == kRts || kind == kMailbox) {
+    // Oldest posted receive that matches: per-peer list and receive-from-any compete by order.
+    std::shared_ptr<PostedRecv> match;
+    auto pit = p.posted.end();
+    for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
+      if ((*it)->tag == f.tag) {
+        pit = it;
+        break;
+      }
+    }
+    auto ait = anyRecvs_.end();
+    for (auto it = anyRecvs_.begin(); it != anyRecvs_.end(); ++it) {
+      if ((*it)->tag != f.tag) continue;
+      bool has = false;
+      for (int c : (*it)->anyOf) has |= (c == peer);
+      if (has) {
+        ait = it;
+        break;
+      }
+    }
+    if (pit != p.posted.end() && (ait == anyRecvs_.end() || (*pit)->order < (*ait)->order)) {
+      match = *pit;
+      p.posted.erase(pit);
+    } else if (ait != anyRecvs_.end()) {
+      match = *ait;
+      anyRecvs_.erase(ait);
+    }
+    if (!match) {
+      auto u = std::make_shared<Unexpected>();
+      u->tag = f.tag;
+      u->check = f.check;
+      u->rts = (kind == kRts);
+      u->sendId = f.id;
+      u->announced = f;
+      u->nbytes = f.nbytes;
+      u->order = nextId_++;
+      if (kind == kMailbox) {
+        u->mailboxSlot = static_cast<int>(f.id);
+        u->complete = true;
+      } else if (kind == kEager) {
+        u->data.resize(f.nbytes);
+        u->complete = (f.nbytes == 0);
+        if (f.nbytes > 0) {
+          p.readingUnexpected = u;
+          p.target = u->data.data();
+          p.targetLen = f.nbytes;
+          p.inPayload = true;
+        }
+      }
+      p.unexpected.push_back(std::move(u));
+      return;
+    }
+    auto req = match->req;
+    if (f.nbytes != match->nbytes || (f.check && match->check && f.check != match->check)) {
+      std::string msg = f.nbytes != match->nbytes
+                            ? "message from rank " + std::to_string(peer) + " has " + std::to_string(f.nbytes) +
+                                  " bytes but the receive expects " + std::to_string(match->nbytes)
+                            : mismatchText(peer, f.check, match->check);
+      done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
+      if (kind == kEager) {
+        if (f.nbytes > 0) startDiscard(f.nbytes);
+      } else if (kind == kMailbox) {
+        setup_.mailbox->drop(peer, static_cast<int>(f.id));
+      } else {
+        pushSend(peer, SendItem::control(kNack, f.id, 0, match->nbytes), done);
+      }
+      return;
+    }
+    if (kind == kRts) {
+      grantLocked(peer, match, f.id, f, done);
+      return;
+    }
+    if (kind == kMailbox) {
+      takeFromMailboxLocked(peer, static_cast<int>(f.id), match, done);
+      return;
+    }
+    if (f.nbytes == 0) {
+      done.push_back([req, peer] { req->complete(peer); });
+      return;
+    }
+    p.readingFor = match;
+    p.target = match->data;
+    p.targetLen = f.nbytes;
+    p.inPayload = true;
+    return;
+  }
+  if (kind == kCts || kind == kNack) {
+    auto it = p.awaitingCts.find(f.id);
+    if (it == p.awaitingCts.end()) {
+      peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " answered an unknown send", done);
+      return;
+    }
+    auto pending = it->second;
+    p.awaitingCts.erase(it);
+    if (kind == kNack) {
+      std::string msg = "rank " + std::to_string(peer) + " expected " + std::to_string(f.nbytes) +
+                        " bytes for this message but it has " + std::to_string(pending.nbytes);
+      auto req = pending.req;
+      done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
+      return;
+    }
+    if (striped(peer, pending.nbytes)) {
+      stripeSendLocked(peer, f.tag, pending.req, pending.data, pending.nbytes);
+      return;
+    }
+    auto item = std::make_unique<SendItem>();
+    item->hdr.magicKind = kMagic << 8 | kData;
+    item->hdr.id = f.tag;  // the receiver's id for this transfer
+    item->hdr.nbytes = pending.nbytes;
+    item->data = pending.data;
+    item->nbytes = pending.nbytes;
+    item->req = pending.req;
+    pushSend(peer, std::move(item), done);
+    return;
+  }
+  if (kind == kDirectDone) {
+    auto it = p.awaitingCts.find(f.id);
+    if (it == p.awaitingCts.end()) {
+      peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " copied an unknown send", done);
+      return;
+    }
+    auto req = it->second.req;
+    p.awaitingCts.erase(it);
+    req->setVia("direct");
+    done.push_back([req, peer] { req->complete(peer); });
+    pushSend(peer, SendItem::control(kDirectAck, f.tag), done);
+    return;
+  }
+  if (kind == kDirectAck) {
+    auto it = p.directRecvs.find(f.id);
+    if (it == p.directRecvs.end()) {
+      peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " confirmed an unknown copy", done);
+      return;
+    }
+    auto req = it->second->req;
+    p.directRecvs.erase(it);
+    if (!req->via()) req->setVia("direct");  // else "direct-parallel", set by the copy
+    done.push_back([req, peer] { req->complete(peer); });
+    return;
+  }
+  if (kind == kData) {
+    auto it = p.activeRecvs.find(f.id);
+    if (it == p.activeRecvs.end() || it->second->nbytes != f.nbytes) {
+      peerFailedLocked(peer, "protocol error: unexpected data frame from rank " + std::to_string(peer), done);
+      return;
+    }
+    p.readingFor = it->second;
+    p.activeRecvs.erase(it);
+    p.target = p.readingFor->data;
+    p.targetLen = f.nbytes;
+    p.inPayload = true;
+    if (f.nbytes == 0) {
+      auto req = p.readingFor->req;
+      done.push_back([req, peer] { req->complete(peer); });
+      p.readingFor.reset();
+      p.inPayload = false;
+    }
+    return;
+  }
+  if (kind == kGoodbye) {
+    // The peer is closing and says why; its words become the error of anything still
+    // waiting for it.
+    if (f.nbytes > kMaxGoodbye) {
+      peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (oversized goodbye)", done);
+      return;
+    }
+    p.goodbye.assign(f.nbytes, '\0');
+    p.target = p.goodbye.data();
+    p.targetLen = f.nbytes;
+    p.inPayload = true;
+    p.readingGoodbye = true;
+    p.goodbyeIsFailure = f.id == 1;
+    return;
+  }
+  peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (unknown frame kind)", done);
+}
+
+// Called with mu_ held when a payload has fully arrived.
+void TcpTransport::finishRead(int peer, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  p.inPayload = false;
+  if (p.readingGoodbye) {
+    p.readingGoodbye = false;
+    p.deadReason = "rank " + std::to_string(peer) + (p.goodbyeIsFailure ? " failed: " : " left the group: ") + p.goodbye;
+    p.orderlyGoodbye = !p.goodbyeIsFailure;
+    if (p.goodbyeIsFailure && peerFailed_) {
+      auto cb = peerFailed_;
+      auto why = p.deadReason;
+      done.push_back([cb, peer, why] { cb(peer, why); });
+    }
+    return;
+  }
+  if (p.discarding) {
+    p.discarding = false;
+    return;
+  }
+  if (p.readingFor) {
+    auto req = p.readingFor->req;
+    done.push_back([req, peer] { req->complete(peer); });
+    p.readingFor.reset();
+    return;
+  }
+  if (p.readingUnexpected) {
+    auto u = std::move(p.readingUnexpected);
+    u->complete = true;
+    if (u->waiter) {
+      std::memcpy(u->waiter->data, u->data.data(), u->data.size());
+      auto req = u->waiter->req;
+      done.push_back([req, peer] { req->complete(peer); });
+      u->waiter.reset();
+    }
+  }
+}
+
+}  // namespace myccl::cpu
