@@ -148,14 +148,14 @@ void TcpTransport::handleReadable(int peer, std::vector<std::function<void()>>& 
   }
 }
 
-// Called with mu_ held when a full frame header has arrived from `peer`.
+// Called with mu_ held when a full frame header has arrived from `peer`: clears the read state
+// and hands the frame to the handler of its kind, which says what payload follows, if any.
 void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
   auto& p = *peers_[peer];
   if ((f.magicKind >> 8) != kMagic) {
     peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (bad frame magic)", done);
     return;
   }
-  const uint32_t kind = f.magicKind & 0xff;
   p.discarding = false;
   p.readingFor.reset();
   p.readingUnexpected.reset();
@@ -163,14 +163,36 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
   p.targetLen = 0;
   p.targetGot = 0;
   p.inPayload = false;
+  switch (f.magicKind & 0xff) {
+    case kEager:
+    case kRts:
+    case kMailbox:
+      onMessage(peer, f, done);
+      return;
+    case kCts:
+    case kNack:
+      onClearToSend(peer, f, done);
+      return;
+    case kDirectDone:
+      onDirectDone(peer, f, done);
+      return;
+    case kDirectAck:
+      onDirectAck(peer, f, done);
+      return;
+    case kData:
+      onData(peer, f, done);
+      return;
+    case kGoodbye:
+      onGoodbye(peer, f, done);
+      return;
+  }
+  peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (unknown frame kind)", done);
+}
 
-  auto startDiscard = [&](size_t n) {
-    p.discarding = true;
-    if (p.sink.empty()) p.sink.resize(1 << 16);
-    p.targetLen = n;
-    p.inPayload = true;
-  };
-
+// EAGER, RTS or MAILBOX: a message meets the oldest receive posted for it, or waits for one.
+void TcpTransport::onMessage(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  const uint32_t kind = f.magicKind & 0xff;
   if (kind == kMailbox &&
       !(setup_.mailbox && f.id < static_cast<uint64_t>(ShmGroup::kMailboxSlots) &&
         f.nbytes <= setup_.mailbox->slotBytes() && setup_.mailbox->holds(peer, static_cast<int>(f.id)))) {
@@ -180,181 +202,178 @@ void TcpTransport::onHeader(int peer, const Frame& f, std::vector<std::function<
                      done);
     return;
   }
-  if (kind == kEager || kind == kRts || kind == kMailbox) {
-    // Oldest posted receive that matches: per-peer list and receive-from-any compete by order.
-    std::shared_ptr<PostedRecv> match;
-    auto pit = p.posted.end();
-    for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
-      if ((*it)->tag == f.tag) {
-        pit = it;
-        break;
-      }
+  // Oldest posted receive that matches: per-peer list and receive-from-any compete by order.
+  std::shared_ptr<PostedRecv> match;
+  auto pit = p.posted.end();
+  for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
+    if ((*it)->tag == f.tag) {
+      pit = it;
+      break;
     }
-    auto ait = anyRecvs_.end();
-    for (auto it = anyRecvs_.begin(); it != anyRecvs_.end(); ++it) {
-      if ((*it)->tag != f.tag) continue;
-      bool has = false;
-      for (int c : (*it)->anyOf) has |= (c == peer);
-      if (has) {
-        ait = it;
-        break;
-      }
+  }
+  auto ait = anyRecvs_.end();
+  for (auto it = anyRecvs_.begin(); it != anyRecvs_.end(); ++it) {
+    if ((*it)->tag != f.tag) continue;
+    bool has = false;
+    for (int c : (*it)->anyOf) has |= (c == peer);
+    if (has) {
+      ait = it;
+      break;
     }
-    if (pit != p.posted.end() && (ait == anyRecvs_.end() || (*pit)->order < (*ait)->order)) {
-      match = *pit;
-      p.posted.erase(pit);
-    } else if (ait != anyRecvs_.end()) {
-      match = *ait;
-      anyRecvs_.erase(ait);
-    }
-    if (!match) {
-      auto u = std::make_shared<Unexpected>();
-      u->tag = f.tag;
-      u->check = f.check;
-      u->rts = (kind == kRts);
-      u->sendId = f.id;
-      u->announced = f;
-      u->nbytes = f.nbytes;
-      u->order = nextId_++;
-      if (kind == kMailbox) {
-        u->mailboxSlot = static_cast<int>(f.id);
-        u->complete = true;
-      } else if (kind == kEager) {
-        u->data.resize(f.nbytes);
-        u->complete = (f.nbytes == 0);
-        if (f.nbytes > 0) {
-          p.readingUnexpected = u;
-          p.target = u->data.data();
-          p.targetLen = f.nbytes;
-          p.inPayload = true;
-        }
-      }
-      p.unexpected.push_back(std::move(u));
-      return;
-    }
-    auto req = match->req;
-    if (f.nbytes != match->nbytes || (f.check && match->check && f.check != match->check)) {
-      std::string msg = f.nbytes != match->nbytes
-                            ? "message from rank " + std::to_string(peer) + " has " + std::to_string(f.nbytes) +
-                                  " bytes but the receive expects " + std::to_string(match->nbytes)
-                            : mismatchText(peer, f.check, match->check);
-      done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
-      if (kind == kEager) {
-        if (f.nbytes > 0) startDiscard(f.nbytes);
-      } else if (kind == kMailbox) {
-        setup_.mailbox->drop(peer, static_cast<int>(f.id));
-      } else {
-        pushSend(peer, SendItem::control(kNack, f.id, 0, match->nbytes), done);
-      }
-      return;
-    }
-    if (kind == kRts) {
-      grantLocked(peer, match, f.id, f, done);
-      return;
-    }
+  }
+  if (pit != p.posted.end() && (ait == anyRecvs_.end() || (*pit)->order < (*ait)->order)) {
+    match = *pit;
+    p.posted.erase(pit);
+  } else if (ait != anyRecvs_.end()) {
+    match = *ait;
+    anyRecvs_.erase(ait);
+  }
+  if (!match) {
+    auto u = std::make_shared<Unexpected>();
+    u->tag = f.tag;
+    u->check = f.check;
+    u->rts = (kind == kRts);
+    u->sendId = f.id;
+    u->announced = f;
+    u->nbytes = f.nbytes;
+    u->order = nextId_++;
     if (kind == kMailbox) {
-      takeFromMailboxLocked(peer, static_cast<int>(f.id), match, done);
-      return;
+      u->mailboxSlot = static_cast<int>(f.id);
+      u->complete = true;
+    } else if (kind == kEager) {
+      u->data.resize(f.nbytes);
+      u->complete = (f.nbytes == 0);
+      if (f.nbytes > 0) {
+        p.readingUnexpected = u;
+        p.readPayload(u->data.data(), f.nbytes);
+      }
     }
-    if (f.nbytes == 0) {
-      done.push_back([req, peer] { req->complete(peer); });
-      return;
-    }
-    p.readingFor = match;
-    p.target = match->data;
-    p.targetLen = f.nbytes;
-    p.inPayload = true;
+    p.unexpected.push_back(std::move(u));
     return;
   }
-  if (kind == kCts || kind == kNack) {
-    auto it = p.awaitingCts.find(f.id);
-    if (it == p.awaitingCts.end()) {
-      peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " answered an unknown send", done);
-      return;
+  auto req = match->req;
+  if (f.nbytes != match->nbytes || (f.check && match->check && f.check != match->check)) {
+    std::string msg = f.nbytes != match->nbytes
+                          ? "message from rank " + std::to_string(peer) + " has " + std::to_string(f.nbytes) +
+                                " bytes but the receive expects " + std::to_string(match->nbytes)
+                          : mismatchText(peer, f.check, match->check);
+    done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
+    if (kind == kEager) {
+      if (f.nbytes > 0) p.discardPayload(f.nbytes);
+    } else if (kind == kMailbox) {
+      setup_.mailbox->drop(peer, static_cast<int>(f.id));
+    } else {
+      pushSend(peer, SendItem::control(kNack, f.id, 0, match->nbytes), done);
     }
-    auto pending = it->second;
-    p.awaitingCts.erase(it);
-    if (kind == kNack) {
-      std::string msg = "rank " + std::to_string(peer) + " expected " + std::to_string(f.nbytes) +
-                        " bytes for this message but it has " + std::to_string(pending.nbytes);
-      auto req = pending.req;
-      done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
-      return;
-    }
-    if (striped(peer, pending.nbytes)) {
-      stripeSendLocked(peer, f.tag, pending.req, pending.data, pending.nbytes);
-      return;
-    }
-    auto item = std::make_unique<SendItem>();
-    item->hdr.magicKind = kMagic << 8 | kData;
-    item->hdr.id = f.tag;  // the receiver's id for this transfer
-    item->hdr.nbytes = pending.nbytes;
-    item->data = pending.data;
-    item->nbytes = pending.nbytes;
-    item->req = pending.req;
-    pushSend(peer, std::move(item), done);
     return;
   }
-  if (kind == kDirectDone) {
-    auto it = p.awaitingCts.find(f.id);
-    if (it == p.awaitingCts.end()) {
-      peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " copied an unknown send", done);
-      return;
-    }
-    auto req = it->second.req;
-    p.awaitingCts.erase(it);
-    req->setVia("direct");
-    done.push_back([req, peer] { req->complete(peer); });
-    pushSend(peer, SendItem::control(kDirectAck, f.tag), done);
+  if (kind == kRts) {
+    grantLocked(peer, match, f.id, f, done);
     return;
   }
-  if (kind == kDirectAck) {
-    auto it = p.directRecvs.find(f.id);
-    if (it == p.directRecvs.end()) {
-      peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " confirmed an unknown copy", done);
-      return;
-    }
-    auto req = it->second->req;
-    p.directRecvs.erase(it);
-    if (!req->via()) req->setVia("direct");  // else "direct-parallel", set by the copy
+  if (kind == kMailbox) {
+    takeFromMailboxLocked(peer, static_cast<int>(f.id), match, done);
+    return;
+  }
+  if (f.nbytes == 0) {
     done.push_back([req, peer] { req->complete(peer); });
     return;
   }
-  if (kind == kData) {
-    auto it = p.activeRecvs.find(f.id);
-    if (it == p.activeRecvs.end() || it->second->nbytes != f.nbytes) {
-      peerFailedLocked(peer, "protocol error: unexpected data frame from rank " + std::to_string(peer), done);
-      return;
-    }
-    p.readingFor = it->second;
-    p.activeRecvs.erase(it);
-    p.target = p.readingFor->data;
-    p.targetLen = f.nbytes;
-    p.inPayload = true;
-    if (f.nbytes == 0) {
-      auto req = p.readingFor->req;
-      done.push_back([req, peer] { req->complete(peer); });
-      p.readingFor.reset();
-      p.inPayload = false;
-    }
+  p.readingFor = match;
+  p.readPayload(match->data, f.nbytes);
+}
+
+// CTS or NACK: the receiver answered an announcement of ours; send the message, or fail it.
+void TcpTransport::onClearToSend(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  auto it = p.awaitingCts.find(f.id);
+  if (it == p.awaitingCts.end()) {
+    peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " answered an unknown send", done);
     return;
   }
-  if (kind == kGoodbye) {
-    // The peer is closing and says why; its words become the error of anything still
-    // waiting for it.
-    if (f.nbytes > kMaxGoodbye) {
-      peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (oversized goodbye)", done);
-      return;
-    }
-    p.goodbye.assign(f.nbytes, '\0');
-    p.target = p.goodbye.data();
-    p.targetLen = f.nbytes;
-    p.inPayload = true;
-    p.readingGoodbye = true;
-    p.goodbyeIsFailure = f.id == 1;
+  auto pending = it->second;
+  p.awaitingCts.erase(it);
+  if ((f.magicKind & 0xff) == kNack) {
+    std::string msg = "rank " + std::to_string(peer) + " expected " + std::to_string(f.nbytes) +
+                      " bytes for this message but it has " + std::to_string(pending.nbytes);
+    auto req = pending.req;
+    done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
     return;
   }
-  peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (unknown frame kind)", done);
+  if (striped(peer, pending.nbytes)) {
+    stripeSendLocked(peer, f.tag, pending.req, pending.data, pending.nbytes);
+    return;
+  }
+  auto item = std::make_unique<SendItem>();
+  item->hdr.magicKind = kMagic << 8 | kData;
+  item->hdr.id = f.tag;  // the receiver's id for this transfer
+  item->hdr.nbytes = pending.nbytes;
+  item->data = pending.data;
+  item->nbytes = pending.nbytes;
+  item->req = pending.req;
+  pushSend(peer, std::move(item), done);
+}
+
+// DIRECT_DONE: the receiver copied an announced message out of our memory; the send is done.
+void TcpTransport::onDirectDone(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  auto it = p.awaitingCts.find(f.id);
+  if (it == p.awaitingCts.end()) {
+    peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " copied an unknown send", done);
+    return;
+  }
+  auto req = it->second.req;
+  p.awaitingCts.erase(it);
+  req->setVia("direct");
+  done.push_back([req, peer] { req->complete(peer); });
+  pushSend(peer, SendItem::control(kDirectAck, f.tag), done);
+}
+
+// DIRECT_ACK: the sender's buffer held the message throughout our copy; the receive is done.
+void TcpTransport::onDirectAck(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  auto it = p.directRecvs.find(f.id);
+  if (it == p.directRecvs.end()) {
+    peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " confirmed an unknown copy", done);
+    return;
+  }
+  auto req = it->second->req;
+  p.directRecvs.erase(it);
+  if (!req->via()) req->setVia("direct");  // else "direct-parallel", set by the copy
+  done.push_back([req, peer] { req->complete(peer); });
+}
+
+// DATA: the payload of a message we cleared, read straight into its receive's buffer.
+void TcpTransport::onData(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  auto it = p.activeRecvs.find(f.id);
+  if (it == p.activeRecvs.end() || it->second->nbytes != f.nbytes) {
+    peerFailedLocked(peer, "protocol error: unexpected data frame from rank " + std::to_string(peer), done);
+    return;
+  }
+  p.readingFor = it->second;
+  p.activeRecvs.erase(it);
+  p.readPayload(p.readingFor->data, f.nbytes);
+  if (f.nbytes == 0) {
+    auto req = p.readingFor->req;
+    done.push_back([req, peer] { req->complete(peer); });
+    p.readingFor.reset();
+    p.inPayload = false;
+  }
+}
+
+// GOODBYE: the peer is closing and says why; its words become the error of anything still
+// waiting for it.
+void TcpTransport::onGoodbye(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
+  auto& p = *peers_[peer];
+  if (f.nbytes > kMaxGoodbye) {
+    peerFailedLocked(peer, "corrupt stream from rank " + std::to_string(peer) + " (oversized goodbye)", done);
+    return;
+  }
+  p.goodbye.assign(f.nbytes, '\0');
+  p.readPayload(p.goodbye.data(), f.nbytes);
+  p.readingGoodbye = true;
+  p.goodbyeIsFailure = f.id == 1;
 }
 
 // Called with mu_ held when a payload has fully arrived.

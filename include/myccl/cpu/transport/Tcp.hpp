@@ -90,6 +90,12 @@ class TcpTransport final : public Transport {
   void handleReadable(int peer, std::vector<std::function<void()>>& done);
   void handleWritable(int peer, std::vector<std::function<void()>>& done);
   void onHeader(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onMessage(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onClearToSend(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onDirectDone(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onDirectAck(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onData(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onGoodbye(int peer, const Frame& f, std::vector<std::function<void()>>& done);
   void finishRead(int peer, std::vector<std::function<void()>>& done);
   void pushSend(int peer, std::unique_ptr<SendItem> item, std::vector<std::function<void()>>& done);
   void flushLocked(int peer, std::vector<std::function<void()>>& done);

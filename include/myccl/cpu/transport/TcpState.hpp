@@ -109,6 +109,20 @@ struct TcpTransport::Peer {
   bool orderlyGoodbye = false;  // the peer said it shuts down normally
   bool lanesBroken = false;  // a data socket to it failed (some message can no longer be whole)
   std::string goodbye;
+
+  // The frame just read is followed by `n` payload bytes, for `dst`.
+  void readPayload(char* dst, size_t n) {
+    target = dst;
+    targetLen = n;
+    inPayload = true;
+  }
+  // ... for nobody: read into the sink and forgotten.
+  void discardPayload(size_t n) {
+    discarding = true;
+    if (sink.empty()) sink.resize(1 << 16);
+    targetLen = n;
+    inPayload = true;
+  }
 };
 
 // One message spread over the lanes; each lane moves one contiguous part of it.
