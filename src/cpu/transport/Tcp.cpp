@@ -64,21 +64,11 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t nbytes
   auto pr = std::make_shared<PostedRecv>();
   pr->req = std::make_shared<Request>(peer, tag, nbytes);
   pr->tag = tag;
+  pr->peer = peer;
   pr->check = check;
   pr->data = static_cast<char*>(data);
   pr->nbytes = nbytes;
-  std::vector<std::function<void()>> done;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    pr->order = nextId_++;
-    if (closed_) {
-      pr->req->fail(CommErrorKind::Aborted, closeReason_, peer);
-      return pr->req;
-    }
-    matchPostedLocked(pr, done);
-  }
-  for (auto& f : done) f();
-  return pr->req;
+  return postRecv(pr);
 }
 
 RequestPtr TcpTransport::irecvAny(const std::vector<int>& peers, uint64_t tag, void* data, size_t nbytes) {
@@ -88,12 +78,15 @@ RequestPtr TcpTransport::irecvAny(const std::vector<int>& peers, uint64_t tag, v
   pr->tag = tag;
   pr->data = static_cast<char*>(data);
   pr->nbytes = nbytes;
+  return postRecv(pr);
+}
+
+RequestPtr TcpTransport::postRecv(const std::shared_ptr<PostedRecv>& pr) {
   std::vector<std::function<void()>> done;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    pr->order = nextId_++;
     if (closed_) {
-      pr->req->fail(CommErrorKind::Aborted, closeReason_, -1);
+      pr->req->fail(CommErrorKind::Aborted, closeReason_, pr->req->peer());
       return pr->req;
     }
     matchPostedLocked(pr, done);
@@ -102,83 +95,57 @@ RequestPtr TcpTransport::irecvAny(const std::vector<int>& peers, uint64_t tag, v
   return pr->req;
 }
 
-// A receive was just posted: take the oldest matching unexpected message, if any.
+// A receive was just posted: it takes the oldest matching message already here, or waits.
 void TcpTransport::matchPostedLocked(const std::shared_ptr<PostedRecv>& pr,
                                      std::vector<std::function<void()>>& done) {
-  int bestPeer = -1;
-  std::deque<std::shared_ptr<Unexpected>>::iterator best;
-  auto consider = [&](int peer) {
-    auto& p = *peers_[peer];
-    for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
-      if ((*it)->tag == pr->tag) {
-        if (bestPeer < 0 || (*it)->order < (*best)->order) {
-          bestPeer = peer;
-          best = it;
-        }
-        return;
-      }
-    }
-  };
-  if (pr->anyOf.empty()) {
-    consider(pr->req->peer());
-  } else {
-    for (int peer : pr->anyOf) consider(peer);
-  }
-  if (bestPeer < 0) {
-    if (pr->anyOf.empty()) {
-      auto& p = *peers_[pr->req->peer()];
-      if (p.dead) {
-        auto req = pr->req;
-        auto why = p.deadReason;
-        int peer = pr->req->peer();
-        done.push_back([req, why, peer] { req->fail(CommErrorKind::PeerGone, why, peer); });
-        return;
-      }
-      p.posted.push_back(pr);
-    } else {
-      bool anyAlive = false;
-      for (int peer : pr->anyOf) anyAlive |= !peers_[peer]->dead;
-      if (!anyAlive) {
-        auto req = pr->req;
-        done.push_back([req] { req->fail(CommErrorKind::PeerGone, "every peer of this receive-from-any is gone", -1); });
-        return;
-      }
-      anyRecvs_.push_back(pr);
-    }
-    return;
-  }
-  auto& p = *peers_[bestPeer];
-  std::shared_ptr<Unexpected> u = *best;
-  p.unexpected.erase(best);
   auto req = pr->req;
-  if (u->nbytes != pr->nbytes || (u->check && pr->check && u->check != pr->check)) {
-    std::string msg = u->nbytes != pr->nbytes
-                          ? "message from rank " + std::to_string(bestPeer) + " has " + std::to_string(u->nbytes) +
-                                " bytes but the receive expects " + std::to_string(pr->nbytes)
-                          : mismatchText(bestPeer, u->check, pr->check);
-    int peer = bestPeer;
-    done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
-    if (u->rts) {
-      pushSend(bestPeer, SendItem::control(kNack, u->sendId, 0, pr->nbytes), done);
+  const auto found = match_.takeArrived(*pr);
+  const int src = found.peer;
+  if (const auto& u = found.msg) {
+    if (meetLocked(src, pr, u->hdr, done)) return;
+    if (!u->complete) {
+      u->waiter = pr;  // the epoll thread finishes it when the payload is in
+      return;
     }
-    if (u->mailboxSlot >= 0) setup_.mailbox->drop(bestPeer, u->mailboxSlot);
+    if (!u->data.empty()) std::memcpy(pr->data, u->data.data(), u->data.size());
+    done.push_back([req, src] { req->complete(src); });
     return;
   }
-  if (u->rts) {
-    grantLocked(bestPeer, pr, u->sendId, u->announced, done);
-    return;
+  if (match_.post(pr)) return;
+  if (pr->anyOf.empty()) {
+    const int peer = pr->peer;
+    auto why = peers_[peer]->deadReason;
+    done.push_back([req, why, peer] { req->fail(CommErrorKind::PeerGone, why, peer); });
+  } else {
+    done.push_back([req] { req->fail(CommErrorKind::PeerGone, "every peer of this receive-from-any is gone", -1); });
   }
-  if (u->mailboxSlot >= 0) {
-    takeFromMailboxLocked(bestPeer, u->mailboxSlot, pr, done);
-    return;
+}
+
+// A receive meets a message from `peer` with header `f`, whichever came first. Settles all but an
+// eager message the receive accepts (returns false for that: its bytes are the caller's to
+// deliver). A receive that disagrees with its message fails and the message is refused: an
+// announcing sender is told (NACK) and fails too, a slot is freed, an eager payload is the
+// caller's to drop. An announcement is granted; a filled slot is copied out.
+bool TcpTransport::meetLocked(int peer, const std::shared_ptr<PostedRecv>& pr, const Frame& f,
+                              std::vector<std::function<void()>>& done) {
+  const uint32_t kind = f.magicKind & 0xff;
+  std::string why = matchError(peer, f.nbytes, f.check, pr->nbytes, pr->check);
+  if (!why.empty()) {
+    auto req = pr->req;
+    done.push_back([req, why, peer] { req->fail(CommErrorKind::Protocol, why, peer); });
+    if (kind == kRts) pushSend(peer, SendItem::control(kNack, f.id, 0, pr->nbytes), done);
+    if (kind == kMailbox) setup_.mailbox->drop(peer, static_cast<int>(f.id));
+    return true;
   }
-  if (!u->complete) {
-    u->waiter = pr;  // the epoll thread finishes it when the payload is in
-    return;
+  if (kind == kRts) {
+    grantLocked(peer, pr, f.id, f, done);
+    return true;
   }
-  if (!u->data.empty()) std::memcpy(pr->data, u->data.data(), u->data.size());
-  int src = bestPeer;
-  done.push_back([req, src] { req->complete(src); });
+  if (kind == kMailbox) {
+    takeFromMailboxLocked(peer, static_cast<int>(f.id), pr, done);
+    return true;
+  }
+  return false;
 }
 
 // An announced message meets its receive: copy it directly when the peer shares this host
@@ -203,33 +170,14 @@ void TcpTransport::grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, 
 
 bool TcpTransport::cancel(const RequestPtr& req) {
   std::lock_guard<std::mutex> lk(mu_);
-  auto drop = [&](std::deque<std::shared_ptr<PostedRecv>>& q) {
-    for (auto it = q.begin(); it != q.end(); ++it) {
-      if ((*it)->req == req) {
-        q.erase(it);
-        return true;
-      }
-    }
-    return false;
-  };
-  if (drop(anyRecvs_)) return true;
-  if (req->peer() >= 0 && req->peer() < setup_.size && req->peer() != setup_.rank) {
-    auto& p = *peers_[req->peer()];
-    if (drop(p.posted)) return true;
-    for (auto& u : p.unexpected)
-      if (u->waiter && u->waiter->req == req) return false;
-  }
-  return false;
+  const int peer = req->peer();
+  const bool own = peer >= 0 && peer < setup_.size && peer != setup_.rank;
+  return match_.cancel(own ? peer : -1, [&](const PostedRecv& pr) { return pr.req == req; });
 }
 
 std::vector<std::pair<int, uint64_t>> TcpTransport::unmatched() const {
   std::lock_guard<std::mutex> lk(mu_);
-  std::vector<std::pair<int, uint64_t>> out;
-  for (int r = 0; r < setup_.size; ++r) {
-    if (r == setup_.rank) continue;
-    for (const auto& u : peers_[r]->unexpected) out.emplace_back(r, u->tag);
-  }
-  return out;
+  return match_.unmatched();
 }
 
 std::string TcpTransport::describePeer(int peer) const {

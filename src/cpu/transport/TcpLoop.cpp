@@ -202,43 +202,13 @@ void TcpTransport::onMessage(int peer, const Frame& f, std::vector<std::function
                      done);
     return;
   }
-  // Oldest posted receive that matches: per-peer list and receive-from-any compete by order.
-  std::shared_ptr<PostedRecv> match;
-  auto pit = p.posted.end();
-  for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
-    if ((*it)->tag == f.tag) {
-      pit = it;
-      break;
-    }
-  }
-  auto ait = anyRecvs_.end();
-  for (auto it = anyRecvs_.begin(); it != anyRecvs_.end(); ++it) {
-    if ((*it)->tag != f.tag) continue;
-    bool has = false;
-    for (int c : (*it)->anyOf) has |= (c == peer);
-    if (has) {
-      ait = it;
-      break;
-    }
-  }
-  if (pit != p.posted.end() && (ait == anyRecvs_.end() || (*pit)->order < (*ait)->order)) {
-    match = *pit;
-    p.posted.erase(pit);
-  } else if (ait != anyRecvs_.end()) {
-    match = *ait;
-    anyRecvs_.erase(ait);
-  }
+  auto match = match_.takePosted(peer, f.tag);
   if (!match) {
     auto u = std::make_shared<Unexpected>();
     u->tag = f.tag;
-    u->check = f.check;
     u->rts = (kind == kRts);
-    u->sendId = f.id;
-    u->announced = f;
-    u->nbytes = f.nbytes;
-    u->order = nextId_++;
+    u->hdr = f;
     if (kind == kMailbox) {
-      u->mailboxSlot = static_cast<int>(f.id);
       u->complete = true;
     } else if (kind == kEager) {
       u->data.resize(f.nbytes);
@@ -248,34 +218,15 @@ void TcpTransport::onMessage(int peer, const Frame& f, std::vector<std::function
         p.readPayload(u->data.data(), f.nbytes);
       }
     }
-    p.unexpected.push_back(std::move(u));
+    match_.arrived(peer, std::move(u));
     return;
   }
-  auto req = match->req;
-  if (f.nbytes != match->nbytes || (f.check && match->check && f.check != match->check)) {
-    std::string msg = f.nbytes != match->nbytes
-                          ? "message from rank " + std::to_string(peer) + " has " + std::to_string(f.nbytes) +
-                                " bytes but the receive expects " + std::to_string(match->nbytes)
-                          : mismatchText(peer, f.check, match->check);
-    done.push_back([req, msg, peer] { req->fail(CommErrorKind::Protocol, msg, peer); });
-    if (kind == kEager) {
-      if (f.nbytes > 0) p.discardPayload(f.nbytes);
-    } else if (kind == kMailbox) {
-      setup_.mailbox->drop(peer, static_cast<int>(f.id));
-    } else {
-      pushSend(peer, SendItem::control(kNack, f.id, 0, match->nbytes), done);
-    }
-    return;
-  }
-  if (kind == kRts) {
-    grantLocked(peer, match, f.id, f, done);
-    return;
-  }
-  if (kind == kMailbox) {
-    takeFromMailboxLocked(peer, static_cast<int>(f.id), match, done);
+  if (meetLocked(peer, match, f, done)) {
+    if (kind == kEager && f.nbytes > 0) p.discardPayload(f.nbytes);  // refused: read, then dropped
     return;
   }
   if (f.nbytes == 0) {
+    auto req = match->req;
     done.push_back([req, peer] { req->complete(peer); });
     return;
   }

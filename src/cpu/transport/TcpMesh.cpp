@@ -115,7 +115,7 @@ bool parseAddr(const std::string& s, sockaddr_storage& out, socklen_t& len) {
 
 TcpTransport::TcpTransport(c10d::Store& store, const std::string& keyPrefix, TcpSetup setup,
                            const std::string& token)
-    : setup_(std::move(setup)) {
+    : setup_(std::move(setup)), match_(setup_.size) {
   peers_.resize(setup_.size);
   for (auto& p : peers_) p = std::make_unique<Peer>();
   struct stat ns {};

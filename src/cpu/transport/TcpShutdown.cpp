@@ -35,8 +35,9 @@ void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vecto
   p.sendq.clear();
   for (auto& kv : p.awaitingCts) failReq(kv.second.req);
   p.awaitingCts.clear();
-  for (auto& pr : p.posted) failReq(pr->req);
-  p.posted.clear();
+  // What it sent whole stays for later receives (see Matcher::dropPeer).
+  const auto orphans = match_.dropPeer(peer);
+  for (auto& pr : orphans.posted) failReq(pr->req);
   for (auto& kv : p.activeRecvs) failReq(kv.second->req);
   p.activeRecvs.clear();
   for (auto& kv : p.directRecvs) failReq(kv.second->req);
@@ -44,17 +45,6 @@ void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vecto
   // A peer that said goodbye wrote its messages' data-socket parts before it did: those still
   // being read are kept.
   dropLanesLocked(peer, why, !closed_ && (p.orderlyGoodbye || p.goodbyeIsFailure) && !p.lanesBroken, done);
-  // Messages that arrived whole before the peer left are still good: a peer that finished
-  // its part of an op and exited must not make this rank lose what it sent. Only partial
-  // messages and announcements of data that can no longer come are dropped.
-  for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
-    if ((*it)->complete && !(*it)->rts) {
-      ++it;
-      continue;
-    }
-    if ((*it)->waiter) failReq((*it)->waiter->req);
-    it = p.unexpected.erase(it);
-  }
   if (p.readingFor) failReq(p.readingFor->req);
   if (p.readingUnexpected && p.readingUnexpected->waiter) failReq(p.readingUnexpected->waiter->req);
   p.readingFor.reset();
@@ -62,16 +52,7 @@ void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vecto
   p.inPayload = false;
   p.wantOut = false;
   // A receive-from-any fails only when none of its peers is left.
-  for (auto it = anyRecvs_.begin(); it != anyRecvs_.end();) {
-    bool alive = false;
-    for (int c : (*it)->anyOf) alive |= !peers_[c]->dead;
-    if (!alive) {
-      failReq((*it)->req);
-      it = anyRecvs_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  for (auto& pr : orphans.any) failReq(pr->req);
 }
 
 void TcpTransport::close(const std::string& reason, bool failure) {
@@ -143,11 +124,10 @@ void TcpTransport::close(const std::string& reason, bool failure) {
         if (c.fd >= 0) ::close(c.fd), c.fd = -1;
       }
     }
-    for (auto& pr : anyRecvs_) {
+    for (auto& pr : match_.takeAny()) {
       auto req = pr->req;
       done.push_back([req, reason] { req->fail(CommErrorKind::Aborted, reason, -1); });
     }
-    anyRecvs_.clear();
   }
   for (auto& f : done) f();
   if (epfd_ >= 0) ::close(epfd_), epfd_ = -1;

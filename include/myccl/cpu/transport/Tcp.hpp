@@ -15,6 +15,7 @@
 
 #include "myccl/Config.hpp"
 #include "myccl/cpu/Parallel.hpp"
+#include "myccl/cpu/transport/Matcher.hpp"
 #include "myccl/cpu/transport/Transport.hpp"
 
 namespace myccl::cpu {
@@ -83,6 +84,9 @@ class TcpTransport final : public Transport {
   void connectMesh(c10d::Store& store, const std::string& keyPrefix, const std::string& token);
   // A posted receive meets a message already here (Tcp.cpp).
   void matchPostedLocked(const std::shared_ptr<PostedRecv>& pr, std::vector<std::function<void()>>& done);
+  RequestPtr postRecv(const std::shared_ptr<PostedRecv>& pr);
+  bool meetLocked(int peer, const std::shared_ptr<PostedRecv>& pr, const Frame& f,
+                  std::vector<std::function<void()>>& done);
   void grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, uint64_t sendId, const Frame& rts,
                    std::vector<std::function<void()>>& done);
   // The epoll thread: frames in and out on the control sockets (TcpLoop.cpp).
@@ -127,8 +131,8 @@ class TcpTransport final : public Transport {
   int laneCount_ = 0;  // data lanes per peer on another host (0: none)
   std::vector<std::unique_ptr<Lane>> lanes_;
   mutable std::mutex mu_;
-  std::deque<std::shared_ptr<PostedRecv>> anyRecvs_;  // receive-from-any, in post order
-  uint64_t nextId_ = 1;
+  Matcher<PostedRecv, Unexpected> match_;  // receives and messages not yet matched (under mu_)
+  uint64_t nextId_ = 1;  // ids of announced sends and of granted receives
   int epfd_ = -1;
   int wakeFd_ = -1;
   std::thread io_;

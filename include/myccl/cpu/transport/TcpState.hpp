@@ -7,7 +7,6 @@
 #include "myccl/cpu/transport/TcpWire.hpp"
 
 #include <atomic>
-#include <cstdio>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -17,15 +16,6 @@
 #include <vector>
 
 namespace myccl::cpu {
-
-inline std::string mismatchText(int peer, uint32_t theirs, uint32_t mine) {
-  char buf[320];
-  snprintf(buf, sizeof(buf),
-           "rank %d sent data for a different variant of this op (agreement word %08x, this rank %08x): "
-           "the ranks disagree about its dtype, reduce op or element count",
-           peer, theirs, mine);
-  return buf;
-}
 
 struct TcpTransport::SendItem {
   Frame hdr{};
@@ -46,27 +36,19 @@ struct TcpTransport::SendItem {
   }
 };
 
-struct TcpTransport::PostedRecv {
+// A posted receive; matching reads its Posting part (tag, peer or peers).
+struct TcpTransport::PostedRecv : Posting {
   RequestPtr req;
-  std::vector<int> anyOf;  // non-empty for receive-from-any
-  uint64_t tag = 0;
   uint32_t check = 0;
   char* data = nullptr;
   size_t nbytes = 0;
-  uint64_t order = 0;
 };
 
-struct TcpTransport::Unexpected {
-  uint64_t tag = 0;
-  uint32_t check = 0;
-  bool rts = false;
-  uint64_t sendId = 0;
-  size_t nbytes = 0;
-  Frame announced{};  // the announcement (for a direct copy)
-  std::vector<char> data;
-  bool complete = false;
-  int mailboxSlot = -1;  // >= 0: the payload waits in the sender's shared-memory slot
-  uint64_t order = 0;
+// A message that arrived before its receive; matching reads its Arrival part (tag, whether it is
+// only announced, whether it is complete).
+struct TcpTransport::Unexpected : Arrival {
+  Frame hdr{};  // as it came: size, agreement word, send id or slot, where a direct copy reads
+  std::vector<char> data;  // an eager payload
   std::shared_ptr<PostedRecv> waiter;  // matched while its payload was still arriving
 };
 
@@ -84,9 +66,7 @@ struct TcpTransport::Peer {
     size_t nbytes;
   };
   std::unordered_map<uint64_t, PendingRts> awaitingCts;
-  // Receive side (under mu_).
-  std::deque<std::shared_ptr<PostedRecv>> posted;
-  std::deque<std::shared_ptr<Unexpected>> unexpected;
+  // Receive side (under mu_; receives and messages still unmatched are in match_).
   std::unordered_map<uint64_t, std::shared_ptr<PostedRecv>> activeRecvs;  // awaiting DATA
   // Receives being copied directly from the sender's memory, then awaiting its DIRECT_ACK.
   std::unordered_map<uint64_t, std::shared_ptr<PostedRecv>> directRecvs;
