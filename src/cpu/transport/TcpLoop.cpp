@@ -14,6 +14,21 @@ namespace myccl::cpu {
 
 using namespace tcp;
 
+namespace {
+
+// Moves the entry for `id` out of `awaiting` into `out`; false when there is none (the peer
+// answered something this side never asked: a protocol error).
+template <class Map, class V>
+bool takeEntry(Map& awaiting, uint64_t id, V& out) {
+  auto it = awaiting.find(id);
+  if (it == awaiting.end()) return false;
+  out = std::move(it->second);
+  awaiting.erase(it);
+  return true;
+}
+
+}  // namespace
+
 void TcpTransport::wake() {
   uint64_t one = 1;
   ssize_t r = ::write(wakeFd_, &one, sizeof(one));
@@ -236,14 +251,11 @@ void TcpTransport::onMessage(int peer, const Frame& f, std::vector<std::function
 
 // CTS or NACK: the receiver answered an announcement of ours; send the message, or fail it.
 void TcpTransport::onClearToSend(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
-  auto& p = *peers_[peer];
-  auto it = p.awaitingCts.find(f.id);
-  if (it == p.awaitingCts.end()) {
+  Peer::PendingRts pending{};
+  if (!takeEntry(peers_[peer]->awaitingCts, f.id, pending)) {
     peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " answered an unknown send", done);
     return;
   }
-  auto pending = it->second;
-  p.awaitingCts.erase(it);
   if ((f.magicKind & 0xff) == kNack) {
     std::string msg = "rank " + std::to_string(peer) + " expected " + std::to_string(f.nbytes) +
                       " bytes for this message but it has " + std::to_string(pending.nbytes);
@@ -267,14 +279,12 @@ void TcpTransport::onClearToSend(int peer, const Frame& f, std::vector<std::func
 
 // DIRECT_DONE: the receiver copied an announced message out of our memory; the send is done.
 void TcpTransport::onDirectDone(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
-  auto& p = *peers_[peer];
-  auto it = p.awaitingCts.find(f.id);
-  if (it == p.awaitingCts.end()) {
+  Peer::PendingRts pending{};
+  if (!takeEntry(peers_[peer]->awaitingCts, f.id, pending)) {
     peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " copied an unknown send", done);
     return;
   }
-  auto req = it->second.req;
-  p.awaitingCts.erase(it);
+  auto req = pending.req;
   req->setVia("direct");
   done.push_back([req, peer] { req->complete(peer); });
   pushSend(peer, SendItem::control(kDirectAck, f.tag), done);
@@ -282,14 +292,12 @@ void TcpTransport::onDirectDone(int peer, const Frame& f, std::vector<std::funct
 
 // DIRECT_ACK: the sender's buffer held the message throughout our copy; the receive is done.
 void TcpTransport::onDirectAck(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
-  auto& p = *peers_[peer];
-  auto it = p.directRecvs.find(f.id);
-  if (it == p.directRecvs.end()) {
+  std::shared_ptr<PostedRecv> pr;
+  if (!takeEntry(peers_[peer]->directRecvs, f.id, pr)) {
     peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " confirmed an unknown copy", done);
     return;
   }
-  auto req = it->second->req;
-  p.directRecvs.erase(it);
+  auto req = pr->req;
   if (!req->via()) req->setVia("direct");  // else "direct-parallel", set by the copy
   done.push_back([req, peer] { req->complete(peer); });
 }
