@@ -24,4 +24,4 @@ def test_matching_unit_tests(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, "test_matching.cpp did not compile:\n" + build.stdout + build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, "matching unit tests failed:\n" + run.stdout + run.stderr
+    assert run.returncode == 0, f"matching unit tests failed (exit {run.returncode}):\n" + run.stdout + run.stderr

@@ -56,19 +56,20 @@ RecvPtr recvAny(const std::string& name, std::vector<int> peers, uint64_t tag) {
   return r;
 }
 
-MsgPtr msg(const std::string& name, uint64_t tag, bool complete = true, bool rts = false) {
+MsgPtr msg(const std::string& name, uint64_t tag, bool complete = true) {
   auto m = std::make_shared<Msg>();
   m->name = name;
   m->tag = tag;
   m->complete = complete;
-  m->rts = rts;
   return m;
 }
+// A message whose payload is still arriving.
 MsgPtr partial(const std::string& name, uint64_t tag) {
   return msg(name, tag, false);
 }
+// An announcement (RTS): to matching, a message none of whose bytes are here.
 MsgPtr announced(const std::string& name, uint64_t tag) {
-  return msg(name, tag, false, true);
+  return msg(name, tag, false);
 }
 
 // A receive is posted, as the transport does it: "<message>@<peer>" when it takes a waiting

@@ -221,7 +221,6 @@ void TcpTransport::onMessage(int peer, const Frame& f, std::vector<std::function
   if (!match) {
     auto u = std::make_shared<Unexpected>();
     u->tag = f.tag;
-    u->rts = (kind == kRts);
     u->hdr = f;
     if (kind == kMailbox) {
       u->complete = true;

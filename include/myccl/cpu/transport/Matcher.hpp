@@ -28,9 +28,10 @@ struct Posting {
 // derives from it and updates `complete` as the payload comes in.
 struct Arrival {
   uint64_t tag = 0;
-  bool rts = false;       // only announced: its bytes stay with the sender until a receive asks
-  bool complete = false;  // every byte is here (or in a shared-memory slot the sender filled)
-  uint64_t order = 0;     // when it arrived (set by Matcher)
+  // Every byte is here, or in a shared-memory slot the sender filled. Not so for a message still
+  // arriving, nor for an announcement: its bytes stay with the sender until a receive asks.
+  bool complete = false;
+  uint64_t order = 0;  // when it arrived (set by Matcher)
 };
 
 // Why a message and the receive it matched cannot be delivered ("" when they can). A message
@@ -171,7 +172,7 @@ class Matcher {
     p.gone = true;
     out.posted.assign(std::make_move_iterator(p.posted.begin()), std::make_move_iterator(p.posted.end()));
     p.posted.clear();
-    std::erase_if(p.arrived, [](const MsgPtr& m) { return !m->complete || m->rts; });
+    std::erase_if(p.arrived, [](const MsgPtr& m) { return !m->complete; });
     for (auto it = any_.begin(); it != any_.end();) {
       if (allGone(**it)) {
         out.any.push_back(std::move(*it));

@@ -44,8 +44,8 @@ struct TcpTransport::PostedRecv : Posting {
   size_t nbytes = 0;
 };
 
-// A message that arrived before its receive; matching reads its Arrival part (tag, whether it is
-// only announced, whether it is complete).
+// A message that arrived before its receive; matching reads its Arrival part (tag, whether all
+// its bytes are here).
 struct TcpTransport::Unexpected : Arrival {
   Frame hdr{};  // as it came: size, agreement word, send id or slot, where a direct copy reads
   std::vector<char> data;  // an eager payload
