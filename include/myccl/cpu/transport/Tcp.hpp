@@ -82,9 +82,9 @@ class TcpTransport final : public Transport {
 
   // Setup (TcpMesh.cpp).
   void connectMesh(c10d::Store& store, const std::string& keyPrefix, const std::string& token);
-  // A posted receive meets a message already here (Tcp.cpp).
-  void matchPostedLocked(const std::shared_ptr<PostedRecv>& pr, std::vector<std::function<void()>>& done);
+  // Posting a receive, and a receive meeting its message whichever came first (Tcp.cpp).
   RequestPtr postRecv(const std::shared_ptr<PostedRecv>& pr);
+  void matchPostedLocked(const std::shared_ptr<PostedRecv>& pr, std::vector<std::function<void()>>& done);
   bool meetLocked(int peer, const std::shared_ptr<PostedRecv>& pr, const Frame& f,
                   std::vector<std::function<void()>>& done);
   void grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, uint64_t sendId, const Frame& rts,
@@ -130,6 +130,8 @@ class TcpTransport final : public Transport {
   std::vector<std::unique_ptr<Peer>> peers_;
   int laneCount_ = 0;  // data lanes per peer on another host (0: none)
   std::vector<std::unique_ptr<Lane>> lanes_;
+  // Guards every peer's send and receive state and match_; taken before a lane's mu, never
+  // after it (see Lane).
   mutable std::mutex mu_;
   Matcher<PostedRecv, Unexpected> match_;  // receives and messages not yet matched (under mu_)
   uint64_t nextId_ = 1;  // ids of announced sends and of granted receives

@@ -54,8 +54,10 @@ constexpr size_t kMailboxMinBytes = 16 * 1024;
 // page boundary of the message.
 constexpr size_t kStripeMinBytes = 512 * 1024;
 
+// A goodbye's reason is cut to this; a longer one can only come from a corrupt stream.
 constexpr size_t kMaxGoodbye = 4096;
 
+// The header of every message on a socket; its payload, if any, follows.
 struct Frame {
   uint32_t magicKind;  // kMagic << 8 | kind: catches a desynchronised stream at once
   uint32_t check;      // sender's agreement word for the op (0: none)
@@ -110,6 +112,9 @@ inline bool writeFrameSome(int fd, char* hdr, size_t& hdrOff, size_t hdrLen, con
   }
 }
 
+// The part of an nbytes message that lane `part` of `parts` carries, as (offset, length): one
+// contiguous run each, starting on a page boundary (the last may be short or empty). Sender and
+// receiver each compute it, so it is part of the wire format.
 inline std::pair<size_t, size_t> stripeRange(size_t nbytes, int parts, int part) {
   size_t piece = (nbytes + parts - 1) / parts;
   piece = (piece + 4095) / 4096 * 4096;
