@@ -16,13 +16,14 @@ int Request::source() const {
   return source_;
 }
 
-bool Request::complete(int source) {
+template <class Record>
+bool Request::finish(Record&& record) {
   std::function<void()> cb;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (done_) return false;
     done_ = true;
-    source_ = source;
+    record();
     cb = std::move(callback_);
   }
   cv_.notify_all();
@@ -30,21 +31,17 @@ bool Request::complete(int source) {
   return true;
 }
 
+bool Request::complete(int source) {
+  return finish([&] { source_ = source; });
+}
+
 bool Request::fail(CommErrorKind kind, const std::string& msg, int peer) {
-  std::function<void()> cb;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (done_) return false;
-    done_ = true;
+  return finish([&] {
     failed_ = true;
     kind_ = kind;
     error_ = msg;
     errorPeer_ = peer;
-    cb = std::move(callback_);
-  }
-  cv_.notify_all();
-  if (cb) cb();
-  return true;
+  });
 }
 
 void Request::onDone(std::function<void()> fn) {

@@ -15,11 +15,15 @@
 
 #include "myccl/Config.hpp"
 #include "myccl/cpu/Parallel.hpp"
+#include "myccl/cpu/transport/Matcher.hpp"
 #include "myccl/cpu/transport/Transport.hpp"
 
 namespace myccl::cpu {
 
 class ShmMailbox;
+namespace tcp {
+struct Frame;
+}
 
 struct TcpSetup {
   int rank = 0;
@@ -66,7 +70,7 @@ class TcpTransport final : public Transport {
   int rejectedConnections() const override { return rejected_.load(); }
 
  private:
-  struct Frame;
+  using Frame = tcp::Frame;
   struct SendItem;
   struct PostedRecv;
   struct Unexpected;
@@ -75,25 +79,39 @@ class TcpTransport final : public Transport {
   struct Part;
   struct Lane;
 
+  // Setup (TcpMesh.cpp).
   void connectMesh(c10d::Store& store, const std::string& keyPrefix, const std::string& token);
+  // Posting a receive, and a receive meeting its message whichever came first (Tcp.cpp).
+  RequestPtr postRecv(const std::shared_ptr<PostedRecv>& pr);
+  void matchPostedLocked(const std::shared_ptr<PostedRecv>& pr, std::vector<std::function<void()>>& done);
+  bool meetLocked(int peer, const std::shared_ptr<PostedRecv>& pr, const Frame& f,
+                  std::vector<std::function<void()>>& done);
+  void grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, uint64_t sendId, const Frame& rts,
+                   std::vector<std::function<void()>>& done);
+  // The epoll thread: frames in and out on the control sockets (TcpLoop.cpp).
   void ioLoop();
   void handleReadable(int peer, std::vector<std::function<void()>>& done);
   void handleWritable(int peer, std::vector<std::function<void()>>& done);
   void onHeader(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onMessage(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onClearToSend(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onDirectDone(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onDirectAck(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onData(int peer, const Frame& f, std::vector<std::function<void()>>& done);
+  void onGoodbye(int peer, const Frame& f, std::vector<std::function<void()>>& done);
   void finishRead(int peer, std::vector<std::function<void()>>& done);
   void pushSend(int peer, std::unique_ptr<SendItem> item, std::vector<std::function<void()>>& done);
   void flushLocked(int peer, std::vector<std::function<void()>>& done);
-  void peerFailedLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done);
-  void matchPostedLocked(const std::shared_ptr<PostedRecv>& pr, std::vector<std::function<void()>>& done);
   void updateInterestLocked(int peer);
-  void grantLocked(int peer, const std::shared_ptr<PostedRecv>& pr, uint64_t sendId, const Frame& rts,
-                   std::vector<std::function<void()>>& done);
+  void wake();
+  // A peer that is gone (TcpShutdown.cpp, with close()).
+  void peerFailedLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done);
+  // Same-host fast paths (TcpSameHost.cpp).
   void directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedRecv> pr, uint64_t sendId, uint64_t addr,
                   uint64_t pid);
   void takeFromMailboxLocked(int peer, int slot, std::shared_ptr<PostedRecv> pr,
                              std::vector<std::function<void()>>& done);
-  void wake();
-  // Lanes: extra data sockets to peers on other hosts (none when socketsPerPeer < 2).
+  // Lanes: extra data sockets to peers on other hosts, none when socketsPerPeer < 2 (TcpLanes.cpp).
   bool hasLanes(int peer) const;
   bool striped(int peer, size_t nbytes) const;
   void laneLoop(Lane& lane);
@@ -111,9 +129,11 @@ class TcpTransport final : public Transport {
   std::vector<std::unique_ptr<Peer>> peers_;
   int laneCount_ = 0;  // data lanes per peer on another host (0: none)
   std::vector<std::unique_ptr<Lane>> lanes_;
+  // Guards every peer's send and receive state and match_; taken before a lane's mu, never
+  // after it (see Lane).
   mutable std::mutex mu_;
-  std::deque<std::shared_ptr<PostedRecv>> anyRecvs_;  // receive-from-any, in post order
-  uint64_t nextId_ = 1;
+  Matcher<PostedRecv, Unexpected> match_;  // receives and messages not yet matched (under mu_)
+  uint64_t nextId_ = 1;  // ids of announced sends and of granted receives
   int epfd_ = -1;
   int wakeFd_ = -1;
   std::thread io_;

@@ -46,6 +46,11 @@ class Request {
   const char* via() const { return via_.load(std::memory_order_acquire); }
 
  private:
+  // Marks the request done, with `record` saying how (under mu_), then wakes waiters and runs the
+  // callback. False, recording nothing, if it was done already.
+  template <class Record>
+  bool finish(Record&& record);
+
   const int peer_;
   const uint64_t tag_;
   const size_t nbytes_;
