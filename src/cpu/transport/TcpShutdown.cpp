@@ -7,6 +7,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "myccl/Threads.hpp"
+
 namespace myccl::cpu {
 
 using namespace tcp;
@@ -82,22 +84,11 @@ void TcpTransport::close(const std::string& reason, bool failure) {
   }
   stopping_.store(true, std::memory_order_release);
   if (wakeFd_ >= 0) wake();
-  if (io_.joinable()) {
-    if (io_.get_id() == std::this_thread::get_id()) {
-      io_.detach();  // closed from a completion callback: the loop exits on its own
-    } else {
-      io_.join();
-    }
-  }
+  joinOrDetach(io_);  // closed from a completion callback: detached, the loop exits on its own
   for (auto& lanePtr : lanes_) {
     Lane& lane = *lanePtr;
     if (lane.wakeFd >= 0) wakeLane(lane);
-    if (!lane.thread.joinable()) continue;
-    if (lane.thread.get_id() == std::this_thread::get_id()) {
-      lane.thread.detach();
-    } else {
-      lane.thread.join();
-    }
+    joinOrDetach(lane.thread);
   }
   std::vector<std::function<void()>> done;
   {
