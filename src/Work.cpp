@@ -122,7 +122,7 @@ bool MycclWork::wait(std::chrono::milliseconds timeout) {
     } else if (!cv_.wait_for(lk, limit, [&] { return completed_; })) {
       lk.unlock();
       std::ostringstream os;
-      os << "myccl: " << info_.describe() << ": wait() timed out after " << limit.count() << " ms";
+      os << "myccl: " << info_.describe() << ": Timed out in wait() after " << limit.count() << " ms";
       if (bounded && !userTimeout) {
         // Nothing will complete it: fail it for good and withdraw the request.
         std::function<bool()> cancel;

@@ -265,6 +265,39 @@ def test_sender_leaves_right_after_send(run):
     assert_reports(run(2, body_sender_leaves_after_send, timeout=120))
 
 
+def body_peer_leaves_while_receiving(ctx, transport):
+    """A receive whose sender shuts its group down fails at once, in the words users match for
+    gloo ("closed"), with the reason the peer gave."""
+    import c10d_ext
+
+    ctx.init(timeout=30)
+    g = dist.new_group(backend="myccl", pg_options=c10d_ext.Options(transport=transport))
+    if ctx.rank == 1:
+        dist.barrier()
+        time.sleep(0.3)
+        dist.destroy_process_group(g)
+        dist.barrier()
+        return ""
+    w = dist.irecv(torch.empty(10), src=1, tag=3, group=g)
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        w.wait()
+        err = "no error"
+    except Exception as e:  # noqa: BLE001
+        err = str(e)
+    took = time.monotonic() - t0
+    dist.barrier()
+    return err, took
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_peer_leaving_fails_a_receive_with_its_reason(run, transport):
+    err, took = run(2, body_peer_leaves_while_receiving, transport, timeout=60)[0]
+    assert "rank 1 left the group and closed its connections: it shut down its process group" in err, err
+    assert took < 10, took
+
+
 def body_mailbox(ctx):
     """Mid-size messages between ranks of one host go through shared-memory mailbox slots:
     every byte right around the size limits; more messages in flight than slots (the rest fall
@@ -580,7 +613,7 @@ def body_recv_timeout(ctx):
             msg = f"{type(e).__name__}: {str(e).splitlines()[0]}"
             rep.check(2.5 <= took <= 8, f"recv gave up after {took:.1f} s (timeout 3 s)")
             rep.check(isinstance(e, dist.DistError), f"not a torch.distributed error: {msg}")
-            rep.check("myccl" in msg and "recv" in msg and "timed out" in msg, f"unclear timeout error: {msg}")
+            rep.check("myccl" in msg and "recv" in msg and "Timed out" in msg, f"unclear timeout error: {msg}")
         # irecv + wait() without a timeout: also bounded by the group timeout
         w = dist.irecv(torch.zeros(10), src=1, tag=10)
         t0 = time.monotonic()
@@ -627,7 +660,7 @@ def body_wait_with_timeout(ctx):
         except Exception as e:  # noqa: BLE001
             took = time.monotonic() - t0
             rep.check(0.2 <= took < 3, f"wait(300 ms) raised after {took:.2f} s")
-            rep.check("myccl" in str(e) and "timed out" in str(e), f"wait(timeout) error: {str(e).splitlines()[0]}")
+            rep.check("myccl" in str(e) and "Timed out" in str(e), f"wait(timeout) error: {str(e).splitlines()[0]}")
         rep.check(not w.is_completed(), "irecv completed although nothing was sent")
         store.set("go", "1")
         w.wait()

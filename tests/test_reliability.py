@@ -153,8 +153,8 @@ def test_stalled_peer_times_out(run):
     out = run(2, body_stalled, timeout=60)[0]
     _record("stalled_peer", {"wait_timeout_0.5s_took": out["wait_s"], "group_timeout_3s_took": out["op_s"],
                              "error": out["op"][:300]})
-    assert "wait() timed out after 500 ms" in out["wait"] and out["wait_s"] < 1.5, out
-    assert "timed out after 3000 ms" in out["op"] and "rank 1" in out["op"] and "all_reduce #1" in out["op"], out
+    assert "Timed out in wait() after 500 ms" in out["wait"] and out["wait_s"] < 1.5, out
+    assert "Timed out after 3000 ms" in out["op"] and "rank 1" in out["op"] and "all_reduce #1" in out["op"], out
     assert out["op_s"] < 4.5, out
     assert "unusable after an earlier failure" in out["after"] or "failed" in out["after"], out
 
@@ -175,7 +175,7 @@ def body_recv_never_sent(ctx):
 def test_recv_from_silent_peer_times_out(run):
     msg, secs = run(2, body_recv_never_sent, timeout=60)[0]
     _record("recv_silent_peer", {"group_timeout_2s_took": secs, "error": msg[:300]})
-    assert "timed out" in msg and "recv from 1" in msg, msg
+    assert "Timed out" in msg and "recv from 1" in msg, msg
     assert secs < 3.5
 
 

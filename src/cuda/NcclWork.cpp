@@ -136,7 +136,7 @@ void NcclWork::waitOnHost(std::chrono::steady_clock::time_point deadline, bool o
     if (finished && succeed()) break;
     if (std::chrono::steady_clock::now() > deadline) {
       if (!opDeadline) {
-        throwDistError("myccl: " + info_.describe() + ": wait() timed out after " + std::to_string(limit.count()) +
+        throwDistError("myccl: " + info_.describe() + ": Timed out in wait() after " + std::to_string(limit.count()) +
                        " ms; the operation is still in progress");
       }
       // The op's own timeout: the same verdict the watchdog would reach, reached here first.

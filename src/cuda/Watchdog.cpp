@@ -23,7 +23,7 @@ constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
 std::string timeoutReason(const OpInfo& info, int device) {
   std::ostringstream os;
-  os << info.describe() << ": timed out after " << info.timeout.count() << " ms: the op did not finish on cuda:"
+  os << info.describe() << ": Timed out after " << info.timeout.count() << " ms: the op did not finish on cuda:"
      << device << ", so the NCCL communicator was aborted. A peer has probably not reached this op (it may be "
      << "stuck, dead, or calling a different op)";
   return os.str();

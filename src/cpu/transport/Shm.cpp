@@ -493,7 +493,7 @@ void ShmGroup::waitSlow(int peer, uint32_t step, Deadline deadline) {
       if (!why.empty()) throw CommError(CommErrorKind::PeerGone, why, groupRanks_[peer]);
     }
     const auto now = Clock::now();
-    if (now >= deadline) throw CommError(CommErrorKind::Timeout, "timed out", groupRanks_[peer]);
+    if (now >= deadline) throw CommError(CommErrorKind::Timeout, "Timed out", groupRanks_[peer]);
     c->waiters.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t v = c->seq.load(std::memory_order_seq_cst);
     if (!reached(v, step)) {

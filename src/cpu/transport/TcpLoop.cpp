@@ -340,7 +340,9 @@ void TcpTransport::finishRead(int peer, std::vector<std::function<void()>>& done
   p.inPayload = false;
   if (p.readingGoodbye) {
     p.readingGoodbye = false;
-    p.deadReason = "rank " + std::to_string(peer) + (p.goodbyeIsFailure ? " failed: " : " left the group: ") + p.goodbye;
+    p.deadReason = "rank " + std::to_string(peer) +
+                 (p.goodbyeIsFailure ? " failed and closed its connections: " : " left the group and closed its connections: ") +
+                 p.goodbye;
     p.orderlyGoodbye = !p.goodbyeIsFailure;
     if (p.goodbyeIsFailure && peerFailed_) {
       auto cb = peerFailed_;

@@ -6,7 +6,7 @@ namespace myccl::cpu {
 void Request::wait(Deadline deadline) {
   std::unique_lock<std::mutex> lk(mu_);
   if (!cv_.wait_until(lk, deadline, [&] { return done_; })) {
-    throw CommError(CommErrorKind::Timeout, "timed out", peer_);
+    throw CommError(CommErrorKind::Timeout, "Timed out", peer_);
   }
   if (failed_) throw CommError(kind_, error_, errorPeer_);
 }
