@@ -33,6 +33,7 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
                                          static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)),
                                          cfg_.flightRecorderDump);
   cpu_ = std::make_unique<cpu::CpuEngine>(store_, rank, size, timeout, group_, cfg_, recorder_);
+  cpu_->setAbortHooks(abortHooks_);  // before any op can fail
   RecorderRegistry::get().add(recorder_);  // once the group is up: a failed init leaves nothing
   if (cfg_.flightRecorderEntries > 0) RecorderRegistry::get().installSignalHandler();
   init();
@@ -71,14 +72,43 @@ OpInfo MycclBackend::info(OpType type, const char* op, std::chrono::milliseconds
   i.rank = rank_;
   i.group = group_;
   i.timeout = (timeout == c10d::kUnsetTimeout) ? timeout_.load() : timeout;
+  {
+    std::lock_guard<std::mutex> lk(extensionsMu_);
+    // An extension ends when the first op created after it completes.
+    std::erase_if(extensions_, [](const Extension& x) { return x.first && x.first->isCompleted(); });
+    for (const auto& x : extensions_) i.timeout += x.extra;
+  }
   return i;
 }
 
 WorkRef MycclBackend::record(WorkRef w) {
+  {
+    std::lock_guard<std::mutex> lk(extensionsMu_);
+    for (auto& x : extensions_)
+      if (!x.first) x.first = w;
+  }
   std::lock_guard<std::mutex> lk(coalesceMu_);
   if (coalescing_) coalesced_.push_back(w);
   return w;
 }
+
+#if MYCCL_HAS_ABORT_HOOKS
+void MycclBackend::addEphemeralTimeout(const std::chrono::milliseconds& timeout) {
+  MYCCL_CHECK_ARG(timeout.count() >= 0, where("add_ephemeral_timeout"), ": the extension must not be negative, got ",
+                  timeout.count(), " ms");
+  std::lock_guard<std::mutex> lk(extensionsMu_);
+  extensions_.push_back({timeout, {}});
+}
+
+void MycclBackend::registerAbortHook(int64_t hookId, c10d::AbortHook hook) {
+  MYCCL_CHECK_ARG(hook != nullptr, where("register_abort_hook"), ": hook ", hookId, " is empty");
+  abortHooks_->add(hookId, std::move(hook));
+}
+
+void MycclBackend::unregisterAbortHook(int64_t hookId) {
+  abortHooks_->remove(hookId);
+}
+#endif
 
 bool MycclBackend::isCuda(const char* op, const std::vector<at::Tensor>& tensors) const {
   MYCCL_CHECK_ARG(!tensors.empty(), where(op), ": expected at least one tensor");
@@ -546,6 +576,11 @@ WorkRef MycclBackend::barrier(const c10d::BarrierOptions& opts) {
   if (opts.device.has_value() && opts.device->is_cuda() && cudaEngineBuilt())
     return record(cudaEngine("barrier").barrier(std::move(i), *opts.device));
   return record(cpu_->barrier(std::move(i), at::kCPU));
+}
+
+void MycclBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  auto i = info(OpType::BARRIER, "monitored_barrier", opts.timeout, false, true);
+  cpu_->monitoredBarrier(i, ++monitoredSeq_, waitAllRanks);
 }
 
 // ---- point-to-point ------------------------------------------------------------------------

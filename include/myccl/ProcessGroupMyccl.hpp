@@ -11,7 +11,9 @@
 #include <mutex>
 #include <tuple>
 
+#include "myccl/AbortHooks.hpp"
 #include "myccl/Config.hpp"
+#include "myccl/TorchCompat.hpp"
 #include "myccl/Recorder.hpp"
 #include "myccl/Reduction.hpp"
 #include "myccl/Topology.hpp"
@@ -74,6 +76,8 @@ class MycclBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // gloo's semantics and words; blocking (cpu::CpuEngine::monitoredBarrier).
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -92,6 +96,17 @@ class MycclBackend final : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override { return collSeq_.load(); }
   void setTimeout(std::chrono::milliseconds timeout) override;
   c10d::ErrorType getError() override;
+#if MYCCL_HAS_ABORT_HOOKS
+  // torch's semantics: `timeout` is added to the timeout of every op created after this call
+  // until the first of them completes; extensions accumulate and expire independently.
+  void addEphemeralTimeout(const std::chrono::milliseconds& timeout) override;
+  // Run before the group aborts on a failed op (a timeout or an error), on the thread that saw it.
+  void registerAbortHook(int64_t hookId, c10d::AbortHook hook) override;
+  void unregisterAbortHook(int64_t hookId) override;
+#endif
+#if MYCCL_HAS_SUPPORTS_ABORT_HOOKS
+  bool supportsAbortHooks() const override { return true; }
+#endif
   void abort() override;
   void shutdown() override;
 
@@ -130,6 +145,15 @@ class MycclBackend final : public c10d::Backend {
   std::mutex cudaMu_;
   std::atomic<uint64_t> collSeq_{0};
   std::atomic<uint64_t> p2pSeq_{0};
+  std::atomic<uint64_t> monitoredSeq_{0};  // numbers monitored barriers, apart from the ops
+  std::shared_ptr<AbortHooks> abortHooks_ = std::make_shared<AbortHooks>();
+  // Ephemeral timeout extensions: each lasts until the first Work created after it completes.
+  struct Extension {
+    std::chrono::milliseconds extra;
+    c10::intrusive_ptr<c10d::Work> first;  // null until the next op is created
+  };
+  std::mutex extensionsMu_;
+  std::vector<Extension> extensions_;
 
   std::mutex coalesceMu_;
   bool coalescing_ = false;

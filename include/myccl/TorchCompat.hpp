@@ -30,11 +30,13 @@
 #else
 #define MYCCL_HAS_WINDOW 0
 #endif
+// Abort hooks and ephemeral timeouts (2.14); 2.15 adds supportsAbortHooks() to announce them.
 #if defined(C10D_BACKEND_HAS_HOOKS)
 #define MYCCL_HAS_ABORT_HOOKS 1
 #else
 #define MYCCL_HAS_ABORT_HOOKS 0
 #endif
+#define MYCCL_HAS_SUPPORTS_ABORT_HOOKS MYCCL_TORCH_AT_LEAST(2, 15)
 
 namespace torch::autograd {
 struct Node;

@@ -62,7 +62,8 @@ CpuEngine::CpuEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, 
 
 CpuEngine::CpuEngine(c10::intrusive_ptr<c10d::Store> store, GroupLinks links, std::string group, const Config& cfg,
                      std::shared_ptr<Recorder> recorder)
-    : store_(std::move(store)), keyPrefix_(links.keyPrefix), transport_(std::move(links.transport)),
+    : store_(std::move(store)), keyPrefix_(links.keyPrefix), barrierBytes_(2 * links.topo.size),
+      transport_(std::move(links.transport)),
       shm_(std::move(links.shm)), topo_(links.topo), rank_(topo_.rank), size_(topo_.size), group_(std::move(group)),
       cfg_(cfg), scratch_(std::make_unique<Scratch>()), recorder_(std::move(recorder)) {
   if (cfg_.numThreads > 1) par_ = std::make_unique<Parallel>(cfg_.numThreads);  // the op's own thread + helpers
@@ -213,6 +214,7 @@ void CpuEngine::runOp(Op& op) {
     std::string dumped = recorder_->dumpTo(cfg_.flightRecorderDump, msg);
     if (!dumped.empty()) msg += " [flight recorder: " + dumped + "]";
     log(LogLevel::Error, msg);
+    if (abortHooks_) abortHooks_->run(msg);  // before the links go: hooks may want to look
     failGroup(msg, timeout);
     op.work->markDone(makeDistError("myccl: " + msg));
   }
@@ -225,7 +227,7 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
   auto* ce = dynamic_cast<const CommError*>(&e);
   if (ce && ce->kind() == CommErrorKind::Timeout) {
     timeout = true;
-    os << "timed out after " << info.timeout.count() << " ms";
+    os << "Timed out after " << info.timeout.count() << " ms";
     if (ce->peer() >= 0) {
       // Within a host collectives wait on shared memory; the TCP link is only the lifeline.
       const bool viaShm = shm_ && topo_.sameHost(rank_, ce->peer()) && op.code != OpCode::Fingerprint;
@@ -272,6 +274,7 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
 void CpuEngine::checkStrays(uint64_t seq) {
   for (auto& [peer, tag] : transport_->unmatched()) {
     if (!isCollectiveTag(tag)) continue;  // point-to-point messages may legitimately wait
+    if (tagOpCode(tag) == OpCode::MonitoredBarrier) continue;  // numbered apart from the ops
     if (tagSeq(tag) >= (seq & kSeqMask)) continue;  // a peer simply ahead of us
     throw CommError(CommErrorKind::Protocol,
                     "rank " + std::to_string(peer) + " sent data for " + describeTag(tag) +

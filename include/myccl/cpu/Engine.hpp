@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "myccl/AbortHooks.hpp"
 #include "myccl/Config.hpp"
 #include "myccl/Engine.hpp"
 #include "myccl/Recorder.hpp"
@@ -72,6 +73,12 @@ class CpuEngine final : public Engine {
   WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag) override;
   WorkPtr recv(OpInfo info, at::Tensor t, int peer, int tag) override;
   WorkPtr recvAny(OpInfo info, at::Tensor t, int tag);
+  // Blocking, on the caller's thread, with gloo's semantics and words: every rank reports to
+  // rank 0, which names the ranks that did not arrive within info.timeout (the first one, or all
+  // of them with waitAllRanks), then releases them. `serial` numbers the calls (MonitoredBarrier.cpp).
+  void monitoredBarrier(const OpInfo& info, uint64_t serial, bool waitAllRanks);
+  // Run before the group aborts after a failed op (Backend::registerAbortHook).
+  void setAbortHooks(std::shared_ptr<AbortHooks> hooks) { abortHooks_ = std::move(hooks); }
 
   void abort(const std::string& why) override;
   void shutdown() override;
@@ -112,6 +119,9 @@ class CpuEngine final : public Engine {
 
   c10::intrusive_ptr<c10d::Store> store_;
   const std::string keyPrefix_;
+  // One byte per rank for monitored barriers' messages; declared before transport_ so that it
+  // outlives every request posted into it.
+  std::vector<char> barrierBytes_;
   std::atomic<uint64_t> sharedCount_{0};
   std::shared_ptr<Transport> transport_;
   std::shared_ptr<ShmGroup> shm_;
@@ -126,6 +136,7 @@ class CpuEngine final : public Engine {
   std::unique_ptr<Scratch> scratch_;
   std::shared_ptr<Stats> stats_ = std::make_shared<Stats>();
   std::shared_ptr<Recorder> recorder_;
+  std::shared_ptr<AbortHooks> abortHooks_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -14,7 +14,8 @@ namespace myccl::cpu {
 
 enum class OpCode : uint8_t {
   Broadcast = 1, Allreduce, Reduce, Allgather, Gather, Scatter, ReduceScatter, Alltoall, Barrier,
-  Fingerprint = 0x7e,  // MYCCL_DEBUG=DETAIL's cross-rank check before an op
+  MonitoredBarrier = 0x7d,  // numbered apart from the ops (Backend::monitoredBarrier)
+  Fingerprint = 0x7e,       // MYCCL_DEBUG=DETAIL's cross-rank check before an op
 };
 
 inline constexpr uint64_t kCollectiveBit = uint64_t{1} << 63;
