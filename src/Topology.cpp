@@ -1,19 +1,23 @@
 // Host identity exchange through the store.
 #include "myccl/Topology.hpp"
 
+#include "myccl/StoreWait.hpp"
+
 #include <algorithm>
 #include <unordered_map>
 
 namespace myccl {
 
 Topology Topology::exchange(c10d::Store& store, const std::string& prefix, int rank, int size,
-                            const std::string& hostId) {
+                            const std::string& hostId, std::chrono::milliseconds timeout, const std::string& where) {
   Topology t;
   t.rank = rank;
   t.size = size;
   store.set(prefix + "host/" + std::to_string(rank), std::vector<uint8_t>(hostId.begin(), hostId.end()));
   std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(prefix + "host/" + std::to_string(r));
+  std::vector<int> ranks;
+  for (int r = 0; r < size; ++r) keys.push_back(prefix + "host/" + std::to_string(r)), ranks.push_back(r);
+  waitForRanks(store, keys, ranks, timeout, "their host identity", where);
   auto values = store.multiGet(keys);
   std::unordered_map<std::string, int> index;
   t.hostOfRank.resize(size);

@@ -189,10 +189,15 @@ def _worker(rank: int, size: int, store_port: int, conn, env: dict) -> None:
                     dist.destroy_process_group()
                 except Exception:  # noqa: BLE001
                     pass
+        # torch names groups by a per-process counter: a call in which some ranks created (or
+        # tried to create) more groups than others leaves the ranks' counters apart, and every
+        # later group of this world would wait for names its peers never use. The parent
+        # compares the counters and replaces such a world.
+        groups = dist.distributed_c10d._world.group_count
         try:
-            conn.send(reply)
+            conn.send(reply + (groups,))
         except Exception as e:  # unpicklable result
-            conn.send(("err", f"result not picklable: {e}"))
+            conn.send(("err", f"result not picklable: {e}", groups))
 
 
 class World:
@@ -236,6 +241,7 @@ class World:
         for c in self.conns:
             c.send(msg)
         results: list[Any] = [None] * self.size
+        groups: dict[int, int] = {}
         pending = set(range(self.size))
         errors = []
         deadline = time.monotonic() + timeout
@@ -250,7 +256,7 @@ class World:
                 c = self.conns[r]
                 if c.poll(0.01):
                     try:
-                        status, value = c.recv()
+                        status, value, groups[r] = c.recv()
                     except EOFError:
                         status, value = "dead", None
                     pending.discard(r)
@@ -267,6 +273,8 @@ class World:
                     self.broken = True
                     if r not in expect_dead:
                         errors.append(f"rank {r}: process died (exit code {self.procs[r].exitcode})")
+        if len(set(groups.values())) > 1:
+            self.broken = True  # group counters apart: the next test gets a fresh world
         if errors:
             raise RankError("\n".join(errors))
         return results

@@ -351,3 +351,24 @@ def body_cuda_without_nccl(ctx):
 @pytest.mark.cuda
 def test_cuda_tensor_with_or_without_nccl(run):
     assert_reports(run(2, body_cuda_without_nccl, timeout=120))
+
+
+def body_missing_rank_at_init(ctx):
+    """init_process_group(store=S, timeout=T) with a rank that never comes gives up after T (the
+    group's timeout), not after the store's own (60 s in this harness), naming that rank."""
+    if ctx.rank == 2:
+        time.sleep(8)
+        return "absent", 0.0
+    t0 = time.monotonic()
+    try:
+        ctx.init(timeout=2.0)
+        return "no error", time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001
+        return str(e), time.monotonic() - t0
+
+
+def test_a_rank_missing_at_init_is_named_within_the_group_timeout(run):
+    out = run(3, body_missing_rank_at_init, timeout=60)
+    for msg, took in out[:2]:
+        assert "Timed out after 2000 ms waiting for rank(s) 2 to publish their host identity" in msg, msg
+        assert took < 10, (took, msg)

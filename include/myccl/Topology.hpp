@@ -4,6 +4,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -23,9 +24,10 @@ struct Topology {
   bool singleHost() const { return crossSize == 1; }
   bool sameHost(int a, int b) const { return hostOfRank[a] == hostOfRank[b]; }
 
-  // Collective over the group: every rank publishes its identity under `prefix`.
+  // Collective over the group: every rank publishes its identity under `prefix`; ranks that
+  // do not within `timeout` are named in the error (`where`: the op and rank, for messages).
   static Topology exchange(c10d::Store& store, const std::string& prefix, int rank, int size,
-                           const std::string& hostId);
+                           const std::string& hostId, std::chrono::milliseconds timeout, const std::string& where);
 };
 
 }  // namespace myccl

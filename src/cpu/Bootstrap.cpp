@@ -11,6 +11,7 @@
 
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
+#include "myccl/StoreWait.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 #include "myccl/cpu/transport/Shm.hpp"
 #include "myccl/cpu/transport/Tcp.hpp"
@@ -23,12 +24,14 @@ namespace {
 constexpr int64_t kMaxMailboxSlotBytes = 4 << 20;
 
 // The group's secret: every connection must present it before any data is accepted.
-std::string groupSecret(c10d::Store& store, const std::string& prefix, int rank) {
+std::string groupSecret(c10d::Store& store, const std::string& prefix, int rank, std::chrono::milliseconds timeout,
+                        const std::string& where) {
   if (rank == 0) {
     std::string token = randomHex(16);
     store.set(prefix + "secret", std::vector<uint8_t>(token.begin(), token.end()));
     return token;
   }
+  waitForRanks(store, {prefix + "secret"}, {0}, timeout, "the group's secret", where);
   auto v = store.get(prefix + "secret");
   return std::string(v.begin(), v.end());
 }
@@ -66,9 +69,10 @@ GroupLinks bootstrapGroup(c10d::Store& store, int rank, int size, std::chrono::m
   const int64_t ticket = store.add("myccl/incarnation", 1);
   links.keyPrefix = "myccl/" + std::to_string((ticket - 1) / size) + "/";
   const std::string& prefix = links.keyPrefix;
-  links.topo = Topology::exchange(store, prefix, rank, size, hostIdentity(cfg.hostId));
+  const std::string where = "init (rank " + std::to_string(rank) + ", group '" + group + "')";
+  links.topo = Topology::exchange(store, prefix, rank, size, hostIdentity(cfg.hostId), timeout, where);
   const Topology& topo = links.topo;
-  const std::string token = groupSecret(store, prefix, rank);
+  const std::string token = groupSecret(store, prefix, rank, timeout, where);
 
   TcpSetup setup;
   setup.rank = rank;

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "myccl/Log.hpp"
+#include "myccl/StoreWait.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 
 namespace myccl::cpu {
@@ -177,6 +178,8 @@ ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
   auto collect = [&](const std::string& key) {
     std::vector<std::string> keys, out;
     for (int r = 0; r < size_; ++r) keys.push_back(prefix + key + std::to_string(groupRanks_[r]));
+    waitForRanks(store, keys, groupRanks_, opts.timeout, "their shared-memory setup",
+                 "init (rank " + std::to_string(groupRanks_[rank_]) + ")");
     for (auto& v : store.multiGet(keys)) out.emplace_back(v.begin(), v.end());
     for (int r = 0; r < size_; ++r) {
       if (!out[r].empty() && out[r][0] == '!') {

@@ -309,6 +309,7 @@ void TcpTransport::connectMesh(c10d::Store& store, const std::string& keyPrefix,
   for (int peer = rank + 1; peer < size && connectError.empty(); ++peer) {
     std::string addr;
     try {
+      store.wait({keyPrefix + "addr/" + std::to_string(peer)}, setup_.timeout);  // the group's, not the store's
       auto v = store.get(keyPrefix + "addr/" + std::to_string(peer));
       addr.assign(v.begin(), v.end());
     } catch (const std::exception& e) {
