@@ -1,0 +1,62 @@
+// The strict host double of the CUDA runtime and NCCL (Runtime.hpp) for machines without a GPU:
+// CPU tensors stand in for device tensors, worker threads for streams, a c10d::Store for NCCL's
+// wire. It runs the engine's real logic and reports, as violations, what real CUDA/NCCL would
+// hang on or silently get wrong.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "myccl/cuda/Runtime.hpp"
+
+namespace myccl::cuda::testdouble {
+
+// version() of the double's Nccl: NCCL's encoding (major*10000 + minor*100 + patch) of 2.30.99;
+// patch 99 marks the double, so logs never mistake it for a real NCCL.
+constexpr int kDoubleNcclVersion = 23099;
+
+struct Options {
+  int devices = 2;                  // simulated device count
+  uint64_t seed = 0;                // 0: seeded from the clock; drives the stream delays
+  int maxDelayUs = 100;             // each stream item waits a random 0..maxDelayUs before running
+  int64_t eagerBytes = 64 * 1024;   // sends up to this size complete without a posted receive
+  int64_t hangMs = 10000;           // a wait longer than this is reported as a hang (and goes on)
+};
+
+// One simulated machine: devices, streams, events, allocator, communicators, violation log.
+class Machine;
+
+// The process's own machine, created on first use with `opts` (later calls ignore opts).
+std::shared_ptr<Machine> machine(const Options& opts = {});
+// An independent machine (unit tests run one per simulated rank, ranks as threads).
+std::shared_ptr<Machine> newMachine(const Options& opts = {});
+
+// The Runtime of one engine: the machine's Device and an Nccl whose communicators move data
+// through `store`. kind = "double".
+Runtime runtime(const std::shared_ptr<Machine>& m, c10::intrusive_ptr<c10d::Store> store);
+// The machine's Device alone (tests that need no NCCL).
+std::shared_ptr<Device> device(const std::shared_ptr<Machine>& m);
+const Options& options(const Machine& m);
+
+// Test hooks.
+std::vector<std::string> violations(const Machine& m);  // every strictness violation so far, in order
+void clearViolations(Machine& m);
+// Blocks until every stream of the machine has run what it held at the call
+// (cudaDeviceSynchronize on every device). Past hangMs it reports a hang and returns.
+void synchronize(Machine& m);
+// Facts tests assert on: comms_created, comms_blocking, comms_nonblocking, comm_nranks_<n>,
+// group_launches, premul_host, premul_device, streams, violations, ... (see Machine.cpp).
+std::map<std::string, int64_t> counters(const Machine& m);
+
+// The same on the process's machine.
+std::vector<std::string> violations();
+void clearViolations();
+void synchronize();
+std::map<std::string, int64_t> counters();
+
+}  // namespace myccl::cuda::testdouble
