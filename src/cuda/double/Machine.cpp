@@ -111,7 +111,8 @@ void Worker::loop() {
     try {
       f();
     } catch (const c10::Error& e) {
-      m_.violation("stream item threw: " + std::string(e.what_without_backtrace()) + " (on " + streamName(stream) + ")");
+      m_.violation("stream item threw: " + std::string(e.what_without_backtrace()) + " (on " + streamName(stream) +
+                   ")");
     } catch (const std::exception& e) {
       m_.violation("stream item threw: " + std::string(e.what()) + " (on " + streamName(stream) + ")");
     } catch (...) {
@@ -145,6 +146,11 @@ Machine::Machine(const Options& o)
   streams_.resize(static_cast<size_t>(o.devices));
   nextStream_.assign(static_cast<size_t>(o.devices), 1);
   allocator_ = std::make_unique<Allocator>(*this);
+  // The documented facts are present from the start, so a test can tell 0 from a typo.
+  for (const char* name : {"comms_created", "comms_blocking", "comms_nonblocking", "group_launches", "premul_host",
+                           "premul_device", "streams", "violations"}) {
+    counters_[name] = 0;
+  }
 }
 
 Machine::~Machine() {
@@ -188,9 +194,7 @@ void Machine::clearViolationList() {
 
 std::map<std::string, int64_t> Machine::counterMap() const {
   std::lock_guard<std::mutex> lk(mu_);
-  auto c = counters_;
-  c.try_emplace("violations", 0);
-  return c;
+  return counters_;
 }
 
 ThreadState& Machine::thread() {
@@ -305,7 +309,8 @@ void synchronize(Machine& m) {
   std::vector<std::string> busy;
   for (auto& [w, target] : targets) {
     if (!w->waitPassed(target, pastDeadline, m.hang() * 2, {})) {
-      busy.push_back(streamName(w->stream) + " (" + std::to_string(target - w->passed()) + " items left)");
+      const uint64_t passed = std::min(target, w->passed());
+      busy.push_back(streamName(w->stream) + " (" + std::to_string(target - passed) + " items left)");
     }
   }
   if (busy.empty()) return;

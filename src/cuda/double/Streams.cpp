@@ -67,8 +67,8 @@ class DoubleEvent final : public Event {
     (void)mark->worker->waitPassed(
         mark->seq, [m] { return m->stopping.load(); }, m->hang(), [&] {
           std::ostringstream os;
-          os << "hang: cudaEventSynchronize on thread " << threadNumber() << " waits for " << streamName(mark->worker->stream)
-             << " for more than " << m->opts.hangMs << " ms";
+          os << "hang: cudaEventSynchronize on thread " << threadNumber() << " waits for "
+             << streamName(mark->worker->stream) << " for more than " << m->opts.hangMs << " ms";
           m->violation(os.str());
         });
   }
