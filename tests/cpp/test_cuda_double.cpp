@@ -444,13 +444,33 @@ void nonblockingInProgress() {
            joined(td::violations(*r.m)));
     td::clearViolations(*r.m);
     EXPECT(poll(r.nccl(), c) == R::Success, "settles");
-    for (int i = 0; i < 5; ++i) {
+    settle(r.nccl(), c, r.nccl().allReduce(a.data_ptr(), a.data_ptr(), 8, NcclType::Float32, kNcclSum, c, s));
+    // Nor destroyed while in progress: here created, never polled.
+    NcclUniqueId id{};
+    if (r.rank == 0) {
+      OK(r.nccl().getUniqueId(&id));
+      cl.store->set("id2", std::vector<uint8_t>(id.internal, id.internal + sizeof id.internal));
+    } else {
+      cl.store->wait({"id2"});
+      auto v = cl.store->get("id2");
+      std::memcpy(id.internal, v.data(), sizeof id.internal);
+    }
+    NcclCommConfig cfg;
+    cfg.blocking = false;
+    NcclCommHandle young = nullptr;
+    EXPECT(r.nccl().commInitRank(&young, 2, id, r.rank, cfg) == R::InProgress, "");
+    EXPECT(r.nccl().commDestroy(young) == R::InvalidUsage, "destroy while joining");
+    EXPECT(contains(td::violations(*r.m), "ncclCommDestroy on communicator comm-"), joined(td::violations(*r.m)));
+    td::clearViolations(*r.m);
+    EXPECT(poll(r.nccl(), young) == R::Success, "young settles");
+    OK(r.nccl().commDestroy(young));
+    for (int i = 0; i < 4; ++i) {
       settle(r.nccl(), c, r.nccl().allReduce(a.data_ptr(), a.data_ptr(), 8, NcclType::Float32, kNcclSum, c, s));
     }
     drain(r.dev(), s);
     EXPECT(at::equal(a, at::full({8}, 64.0f)), "six allreduces: " << a);
     closeComm(r.nccl(), c);
-    EXPECT(td::counters(*r.m)["comms_nonblocking"] == 1, "counter");
+    EXPECT(td::counters(*r.m)["comms_nonblocking"] == 2, "counter");
   });
   cl.expectClean();
 }

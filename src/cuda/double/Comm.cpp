@@ -215,11 +215,19 @@ NcclResult DoubleNccl::commDestroy(NcclCommHandle comm) {
   if (!c) return r;
   Use use(*m_, c, call);
   uint64_t pending = 0;
-  bool finalized = false;
+  bool finalized = false, inProgress = false;
   {
     std::lock_guard<std::mutex> lk(c->mu);
     pending = c->launched - c->finished;
     finalized = c->finalized;
+    inProgress = c->joining || c->busy;
+  }
+  if (inProgress) {
+    // NCCL: the state must have reached ncclSuccess first; the communicator stays usable.
+    return report(NcclResult::InvalidUsage,
+                  std::string(call) + " on communicator " + c->name +
+                      " while it is still in progress (ncclInProgress): poll ncclCommGetAsyncError until "
+                      "ncclSuccess first");
   }
   if (pending > 0) {
     std::ostringstream os;
