@@ -49,8 +49,17 @@ void clearViolations(Machine& m);
 // Blocks until every stream of the machine has run what it held at the call
 // (cudaDeviceSynchronize on every device). Past hangMs it reports a hang and returns.
 void synchronize(Machine& m);
-// Facts tests assert on: comms_created, comms_blocking, comms_nonblocking, comm_nranks_<n>,
-// group_launches, premul_host, premul_device, streams, violations, ... (see Machine.cpp).
+// Facts tests assert on (the first eight are always present):
+//   comms_created, comms_blocking, comms_nonblocking  communicators made by init or split
+//   group_launches   outermost groupEnds and ops issued outside a group (each one launch)
+//   premul_host, premul_device   PreMulSum operators created, by scalar residence
+//   streams          newStream calls;  violations   violations reported (clearViolations keeps it)
+//   comm_nranks_<n>  communicators settled with n ranks;  comms_destroyed, aborts, splits
+//   launched_ops, collectives, sends, recvs   ops launched / posted on a stream
+//   launches_skipped, ops_abandoned   items skipped or stopped by abort or an earlier error
+//   hangs            hang violations;  groups_failed   groups ended with an op's error
+//   allocations, frees, record_streams   allocator;  events, streams_high_priority,
+//   relaxed_capture_mode   Device calls
 std::map<std::string, int64_t> counters(const Machine& m);
 
 // The same on the process's machine.
