@@ -108,21 +108,25 @@ void Worker::loop() {
       q_.pop_front();
     }
     if (maxDelay > 0) std::this_thread::sleep_for(std::chrono::microseconds(rng_() % (maxDelay + 1)));
+    std::string threw;
     try {
       f();
     } catch (const c10::Error& e) {
-      m_.violation("stream item threw: " + std::string(e.what_without_backtrace()) + " (on " + streamName(stream) +
-                   ")");
+      threw = e.what_without_backtrace();
     } catch (const std::exception& e) {
-      m_.violation("stream item threw: " + std::string(e.what()) + " (on " + streamName(stream) + ")");
+      threw = e.what();
     } catch (...) {
-      m_.violation("stream item threw a non-standard exception (on " + streamName(stream) + ")");
+      threw = "a non-standard exception";
     }
+    bool stopped = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
       ++passed_;
+      stopped = stop_;
     }
     cv_.notify_all();
+    // Stopped: the machine may be gone already (the item dropped its last reference).
+    if (!threw.empty() && !stopped) m_.violation("stream item threw: " + threw + " (on " + streamName(stream) + ")");
     // May drop the last reference to the machine, whose destructor then detaches this thread
     // (stop()); from here on only this worker's own members are touched.
     f = nullptr;
