@@ -89,9 +89,11 @@ def _nccl_config():
 
 
 def _sources(with_nccl):
+    # The CUDA engine's logic and its test double build everywhere; only the real runtime
+    # (src/cuda/real: CUDA and NCCL headers) needs NCCL.
     srcs = sorted(glob.glob("src/**/*.cpp", recursive=True))
     if not with_nccl:
-        srcs = [s for s in srcs if not s.startswith("src/cuda/")]
+        srcs = [s for s in srcs if not s.startswith("src/cuda/real/")]
     return srcs
 
 

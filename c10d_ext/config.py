@@ -165,7 +165,33 @@ VARS: list[Var] = [
         "CUDA: keep tensors alive by holding them in the Work instead of recordStream"),
     Var("MYCCL_HIGH_PRIORITY_STREAM", "high_priority_stream", _bool,
         "CUDA: run NCCL on a high-priority stream"),
+    Var("MYCCL_NCCL_NONBLOCKING", "nccl_nonblocking", _bool,
+        "CUDA: nonblocking NCCL communicators: creation and every launch can be abandoned at the timeout "
+        "or by abort(), at the price of host polling per op (default 0: blocking, as torch's nccl)"),
+    Var("MYCCL_ASYNC_ERROR_HANDLING", "async_error_handling", _int(0, 3),
+        "CUDA: what a timed-out or failed op does, as TORCH_NCCL_ASYNC_ERROR_HANDLING (read when this one "
+        "is unset): 3 take the process down without aborting NCCL, 1 abort NCCL then take it down, 2 abort "
+        "NCCL and raise from the group's ops, 0 raise and leave NCCL alone. MYCCL_BLOCKING_WAIT=1 raises in "
+        "wait() and takes nothing down"),
+    Var("MYCCL_ENABLE_TIMING", "enable_timing", _bool,
+        "CUDA: record a start event per op, so Work durations are the op's time on the device"),
+    Var("MYCCL_TEST_CUDA_DOUBLE", "test_cuda_double", _bool,
+        "testing only: run the CUDA engine on the strict host double instead of a GPU (CPU tensors stand "
+        "for CUDA tensors)"),
+    Var("MYCCL_TEST_CUDA_DOUBLE_DEVICES", "test_cuda_double_devices", _int(1, 64),
+        "testing only: devices the double simulates"),
+    Var("MYCCL_TEST_CUDA_DOUBLE_SEED", "test_cuda_double_seed", _int(0),
+        "testing only: seed of the double's random stream delays (0: from the clock)"),
+    Var("MYCCL_TEST_CUDA_DOUBLE_DELAY_US", "test_cuda_double_delay_us", _int(0),
+        "testing only: the double delays each stream item by up to this many microseconds"),
+    Var("MYCCL_TEST_CUDA_DOUBLE_EAGER_BYTES", "test_cuda_double_eager_bytes", _bytes,
+        "testing only: the double's sends up to this size complete without a posted receive (NCCL's buffering)"),
+    Var("MYCCL_TEST_CUDA_DOUBLE_HANG_MS", "test_cuda_double_hang_ms", _int(1),
+        "testing only: the double reports a wait longer than this as a hang"),
 ]
+
+# Variables that fall back to torch's own name for the same setting when ours is unset.
+TORCH_FALLBACKS = {"MYCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 
 BY_NAME = {v.name: v for v in VARS}
 BY_FIELD = {v.field: v for v in VARS}
@@ -178,6 +204,8 @@ def parse_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for var in VARS:
         raw = env.get(var.name)
+        if raw is None and var.name in TORCH_FALLBACKS:
+            raw = env.get(TORCH_FALLBACKS[var.name])
         if raw is None:
             out[var.field] = var.default
             continue

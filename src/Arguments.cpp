@@ -122,7 +122,10 @@ Reduction toReduction(const std::string& w, const at::Tensor& t, const c10d::Red
       if (sup->tensor_factor.defined()) {
         MYCCL_CHECK_ARG(sup->tensor_factor.numel() == 1, w, ": PREMUL_SUM factor must have one element, got ",
                         shapeOf(sup->tensor_factor));
-        r.factor = sup->tensor_factor.to(at::kCPU).to(at::kDouble).item<double>();
+        r.factorTensor = sup->tensor_factor;
+        // Only a CPU op needs the value on the host; reading a device factor here would
+        // synchronise with its device, which a CUDA op must never do while being issued.
+        if (t.device().is_cpu()) r.factor = sup->tensor_factor.to(at::kCPU).to(at::kDouble).item<double>();
       } else {
         r.factor = sup->double_factor;
       }
@@ -138,9 +141,10 @@ void checkRoot(const std::string& w, int64_t root, int size) {
   MYCCL_CHECK_ARG(root >= 0 && root < size, w, ": root ", root, " is not a rank of this group (size ", size, ")");
 }
 
-void checkPeer(const std::string& w, int peer, int rank, int size) {
+void checkPeer(const std::string& w, int peer, int rank, int size, bool selfAllowed) {
   MYCCL_CHECK_ARG(peer >= 0 && peer < size, w, ": peer rank ", peer, " is not a rank of this group (size ", size, ")");
-  MYCCL_CHECK_ARG(peer != rank, w, ": peer rank ", peer, " is this rank; myccl does not send to itself");
+  MYCCL_CHECK_ARG(selfAllowed || peer != rank, w, ": peer rank ", peer,
+                  " is this rank; myccl does not send to itself for CPU tensors (CUDA tensors can)");
 }
 
 const at::Tensor& single(const std::string& w, const std::vector<at::Tensor>& ts, const char* what) {

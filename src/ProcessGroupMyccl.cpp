@@ -12,12 +12,33 @@
 #include "myccl/Engine.hpp"
 #include "myccl/Errors.hpp"
 #include "myccl/TorchCompat.hpp"
+#include "myccl/Log.hpp"
 #include "myccl/cpu/Engine.hpp"
 
 namespace myccl {
 
 using c10d::OpType;
 using WorkRef = c10::intrusive_ptr<c10d::Work>;
+
+// On every op: an op that raises inside a coalescing block leaves the block with it. torch's
+// coalescing manager never calls end_coalescing when its body raises, and a block left open
+// would hold every later op of the group back for good.
+class CoalescingGuard {
+ public:
+  explicit CoalescingGuard(MycclBackend* b) : b_(b), unwinding_(std::uncaught_exceptions()) {}
+  ~CoalescingGuard() {
+    if (std::uncaught_exceptions() > unwinding_) {
+      try {
+        b_->abandonCoalescing("an op of the block raised on rank " + std::to_string(b_->getRank()));
+      } catch (...) {
+      }
+    }
+  }
+
+ private:
+  MycclBackend* b_;
+  int unwinding_;
+};
 
 MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks,
@@ -121,7 +142,7 @@ bool MycclBackend::isCuda(const char* op, const std::vector<at::Tensor>& tensors
     MYCCL_CHECK_ARG(t.layout() == at::kStrided, where(op), ": tensor ", i, " has layout ", t.layout(),
                     "; only dense (strided) tensors are supported here");
   }
-  if (first.is_cpu()) return false;
+  if (first.is_cpu()) return cfg_.testCudaDouble;
   MYCCL_CHECK_ARG(first.is_cuda(), where(op), ": tensors on ", first, " are not supported (cpu and cuda only)");
   MYCCL_CHECK_ARG(cudaEngineBuilt(), where(op), ": got a CUDA tensor (", describe(tensors[0]),
                   ") but this myccl build has no NCCL engine; rebuild with MYCCL_WITH_NCCL=1 against a CUDA build "
@@ -177,7 +198,8 @@ bool MycclBackend::usesSharedMemory() const {
 Engine& MycclBackend::cudaEngine(const char* op) {
   std::lock_guard<std::mutex> lk(cudaMu_);
   if (!cuda_) {
-    cuda_ = makeCudaEngine(where(op), store_, rank_, size_, group_, cfg_, timeout_.load());
+    cuda_ = makeCudaEngine(where(op), store_, cpu_->keyPrefix(), rank_, size_, group_, cfg_, timeout_.load(),
+                           abortHooks_);
     // Created inside a coalescing block: group this op with the rest of the block.
     std::lock_guard<std::mutex> clk(coalesceMu_);
     if (coalescing_) cuda_->startCoalescing();
@@ -198,6 +220,7 @@ std::vector<Engine*> MycclBackend::engines() {
 // ---- collectives ---------------------------------------------------------------------------
 
 WorkRef MycclBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("broadcast");
   const at::Tensor& t = single(w, tensors);
   Engine& e = engineFor("broadcast", tensors);
@@ -210,6 +233,7 @@ WorkRef MycclBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::Br
 }
 
 WorkRef MycclBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("all_reduce");
   MYCCL_CHECK_ARG(tensors.size() == 1, w, ": expected exactly one tensor, got ", tensors.size());
   if (tensors[0].defined() && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
@@ -279,6 +303,7 @@ WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c
 }
 
 WorkRef MycclBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("all_reduce_coalesced");
   Engine& e = engineFor("all_reduce_coalesced", tensors);
   for (size_t k = 0; k < tensors.size(); ++k) {
@@ -292,6 +317,7 @@ WorkRef MycclBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors, cons
 }
 
 WorkRef MycclBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("reduce");
   const at::Tensor& t = single(w, tensors);
   Engine& e = engineFor("reduce", tensors);
@@ -306,6 +332,7 @@ WorkRef MycclBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::Reduc
 
 WorkRef MycclBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                 const c10d::AllgatherOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("all_gather");
   const at::Tensor& in = single(w, inputs, "input tensor");
   MYCCL_CHECK_ARG(outputs.size() == 1, w, ": expected one output list, got ", outputs.size());
@@ -327,6 +354,7 @@ WorkRef MycclBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, s
 }
 
 WorkRef MycclBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("all_gather_into_tensor");
   Engine& e = engineFor("all_gather_into_tensor", {input, output});
   checkSameDtype(w, input, output, "output");
@@ -342,6 +370,7 @@ WorkRef MycclBackend::_allgather_base(at::Tensor& output, at::Tensor& input, con
 
 WorkRef MycclBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("all_gather_coalesced");
   MYCCL_CHECK_ARG(!inputs.empty(), w, ": expected at least one input tensor");
   MYCCL_CHECK_ARG(static_cast<int>(outputLists.size()) == size_, w, ": expected one output list per rank (", size_,
@@ -372,6 +401,7 @@ WorkRef MycclBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& 
 
 WorkRef MycclBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("all_gather_into_tensor_coalesced");
   MYCCL_CHECK_ARG(outputs.size() == inputs.size() && !inputs.empty(), w, ": ", inputs.size(), " inputs but ",
                   outputs.size(), " outputs");
@@ -393,6 +423,7 @@ WorkRef MycclBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& o
 
 WorkRef MycclBackend::gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                              const c10d::GatherOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("gather");
   const at::Tensor& in = single(w, inputs, "input tensor");
   checkRoot(w, opts.rootRank, size_);
@@ -422,6 +453,7 @@ WorkRef MycclBackend::gather(std::vector<std::vector<at::Tensor>>& outputs, std:
 
 WorkRef MycclBackend::scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                               const c10d::ScatterOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("scatter");
   const at::Tensor& out = single(w, outputs, "output tensor");
   checkRoot(w, opts.rootRank, size_);
@@ -449,6 +481,7 @@ WorkRef MycclBackend::scatter(std::vector<at::Tensor>& outputs, std::vector<std:
 
 WorkRef MycclBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                                      const c10d::ReduceScatterOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("reduce_scatter");
   const at::Tensor& out = single(w, outputs, "output tensor");
   MYCCL_CHECK_ARG(inputs.size() == 1, w, ": expected one input list, got ", inputs.size());
@@ -470,6 +503,7 @@ WorkRef MycclBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vect
 
 WorkRef MycclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                            const c10d::ReduceScatterOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("reduce_scatter_tensor");
   Engine& e = engineFor("reduce_scatter_tensor", {input, output});
   checkSameDtype(w, input, output, "output");
@@ -486,6 +520,7 @@ WorkRef MycclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input
 
 WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                       const c10d::ReduceScatterOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("reduce_scatter_tensor_coalesced");
   MYCCL_CHECK_ARG(outputs.size() == inputs.size() && !inputs.empty(), w, ": ", inputs.size(), " inputs but ",
                   outputs.size(), " outputs");
@@ -509,6 +544,7 @@ WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& o
 
 WorkRef MycclBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
                                     std::vector<int64_t>& inputSplits, const c10d::AllToAllOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("all_to_all_single");
   Engine& e = engineFor("all_to_all_single", {input, output});
   checkSameDtype(w, input, output, "output");
@@ -552,6 +588,7 @@ WorkRef MycclBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::
 
 WorkRef MycclBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                const c10d::AllToAllOptions& opts) {
+  CoalescingGuard coalescing(this);
   const auto w = where("all_to_all");
   MYCCL_CHECK_ARG(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_, w,
                   ": expected ", size_, " input and output tensors, got ", inputs.size(), " and ", outputs.size());
@@ -570,11 +607,33 @@ WorkRef MycclBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at:
   return record(e.alltoall(std::move(i), inputs, outputs));
 }
 
+std::optional<at::Device> MycclBackend::barrierDevice(const c10d::BarrierOptions& opts) {
+  // torch's Python fills BarrierOptions::device, but its dispatcher op passes only device_ids on.
+  if (opts.device.has_value() && (opts.device->is_cuda() || cfg_.testCudaDouble)) return opts.device;
+  if (!opts.device_ids.empty()) {
+    const int64_t id = opts.device_ids.front();
+    MYCCL_CHECK_ARG(id >= 0, where("barrier"), ": device_ids[0] must be a CUDA device index, got ", id);
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(id));
+  }
+  if (auto bound = getBoundDeviceId(); bound.has_value() && bound->is_cuda()) return bound;
+  std::lock_guard<std::mutex> lk(cudaMu_);
+  if (cuda_) {
+    const int last = cuda_->lastDevice();
+    if (last >= 0) return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(last));
+  }
+  // The double has no CPU tensors of its own: its barrier is the CUDA engine's, on the current device.
+  if (cfg_.testCudaDouble) return at::Device(at::kCUDA);
+  return std::nullopt;
+}
+
 WorkRef MycclBackend::barrier(const c10d::BarrierOptions& opts) {
+  CoalescingGuard coalescing(this);
+  const auto device = barrierDevice(opts);
+  MYCCL_CHECK_ARG(!device.has_value() || cudaEngineBuilt() || cfg_.testCudaDouble, where("barrier"),
+                  ": a barrier on ", *device, " needs the NCCL engine, which this build does not have");
   auto i = info(OpType::BARRIER, "barrier", opts.timeout, opts.asyncOp);
-  // With an accelerator device the barrier must also order the device's streams.
-  if (opts.device.has_value() && opts.device->is_cuda() && cudaEngineBuilt())
-    return record(cudaEngine("barrier").barrier(std::move(i), *opts.device));
+  // On a device the barrier also orders the device's streams: every rank's kernel must meet.
+  if (device.has_value()) return record(cudaEngine("barrier").barrier(std::move(i), *device));
   return record(cpu_->barrier(std::move(i), at::kCPU));
 }
 
@@ -586,10 +645,11 @@ void MycclBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
 // ---- point-to-point ------------------------------------------------------------------------
 
 WorkRef MycclBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  CoalescingGuard coalescing(this);
   const auto w = where("send");
   const at::Tensor& t = single(w, tensors);
   Engine& e = engineFor("send", tensors);
-  checkPeer(w, dstRank, rank_, size_);
+  checkPeer(w, dstRank, rank_, size_, isCuda("send", tensors));
   auto i = info(OpType::SEND, "send", c10d::kUnsetTimeout, true, true);
   annotate(i, t, dstRank, nullptr);
   i.op = "send to " + std::to_string(dstRank) + " tag " + std::to_string(tag);
@@ -597,10 +657,11 @@ WorkRef MycclBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int ta
 }
 
 WorkRef MycclBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  CoalescingGuard coalescing(this);
   const auto w = where("recv");
   const at::Tensor& t = single(w, tensors);
   Engine& e = engineFor("recv", tensors);
-  checkPeer(w, srcRank, rank_, size_);
+  checkPeer(w, srcRank, rank_, size_, isCuda("recv", tensors));
   checkWritable(w, t, "tensor");
   auto i = info(OpType::RECV, "recv", c10d::kUnsetTimeout, true, true);
   annotate(i, t, srcRank, nullptr);
@@ -609,6 +670,7 @@ WorkRef MycclBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int ta
 }
 
 WorkRef MycclBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  CoalescingGuard coalescing(this);
   const auto w = where("recv_any_source");
   const at::Tensor& t = single(w, tensors);
   MYCCL_CHECK_ARG(!isCuda("recv_any_source", tensors), w, ": receive-from-any-source is supported for CPU tensors only (NCCL has no wildcard receive)");
@@ -622,10 +684,36 @@ WorkRef MycclBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
 
 // ---- coalescing, state ---------------------------------------------------------------------
 
-void MycclBackend::startCoalescing() {
+void MycclBackend::abandonCoalescing(const std::string& why) {
+  std::vector<WorkRef> held;
   {
     std::lock_guard<std::mutex> lk(coalesceMu_);
-    MYCCL_CHECK(!coalescing_, where("start_coalescing"), ": already coalescing (nested coalescing is not supported)");
+    if (!coalescing_) return;
+    coalescing_ = false;
+    held.swap(coalesced_);
+  }
+  logOnce("coalescing-abandoned", LogLevel::Warning,
+          "group '" + group_ + "': a coalescing block was left without end_coalescing (" + why +
+              "); its held CUDA ops are dropped and later ops run on their own");
+  for (Engine* e : engines()) {
+    try {
+      e->startCoalescing();  // drops whatever the engine held back ...
+      (void)e->endCoalescing(info(OpType::COALESCED, "coalesced", c10d::kUnsetTimeout, true, true));
+    } catch (...) {
+      // ... and issuing nothing cannot fail in a way the caller could act on.
+    }
+  }
+}
+
+void MycclBackend::startCoalescing() {
+  bool open;
+  {
+    std::lock_guard<std::mutex> lk(coalesceMu_);
+    open = coalescing_;
+  }
+  if (open) abandonCoalescing("a new block started before the previous one ended");
+  {
+    std::lock_guard<std::mutex> lk(coalesceMu_);
     coalescing_ = true;
     coalesced_.clear();
   }
@@ -641,14 +729,35 @@ WorkRef MycclBackend::endCoalescing() {
     works.swap(coalesced_);
   }
   auto i = info(OpType::COALESCED, "coalesced", c10d::kUnsetTimeout, true, true);
-  for (Engine* e : engines())
-    if (auto held = e->endCoalescing(i)) works.push_back(held);
+  std::vector<WorkRef> cpuWorks;
+  WorkRef cudaBatch;
+  for (Engine* e : engines()) {
+    if (auto held = e->endCoalescing(i)) cudaBatch = held;
+  }
+  if (cudaBatch) {
+    // The CUDA engine's batch Work covers every CUDA op of the block and keeps its Future
+    // CUDA-aware; only CPU ops of the same block need combining with it.
+    for (auto& w : works) {
+      auto* mw = dynamic_cast<MycclWork*>(w.get());
+      if (!mw || !mw->onDevice()) cpuWorks.push_back(w);
+    }
+    if (cpuWorks.empty()) return cudaBatch;
+    cpuWorks.push_back(cudaBatch);
+    return combineWorks(std::move(i), std::move(cpuWorks));
+  }
   return combineWorks(std::move(i), std::move(works));
 }
 
 void MycclBackend::eagerConnectSingleDevice(at::Device device) {
-  if (device.is_cuda() && cudaEngineBuilt()) cudaEngine("eager_connect").eagerConnect(device);
+  if (device.is_cuda() && (cudaEngineBuilt() || cfg_.testCudaDouble)) cudaEngine("eager_connect").eagerConnect(device);
 }
+
+#if MYCCL_TORCH_AT_LEAST(2, 14)
+void MycclBackend::setBoundDeviceId(std::optional<at::Device> device) {
+  c10d::Backend::setBoundDeviceId(device);
+  if (device.has_value()) eagerConnectSingleDevice(*device);
+}
+#endif
 
 void MycclBackend::setTimeout(std::chrono::milliseconds timeout) {
   MYCCL_CHECK_ARG(timeout.count() > 0, where("set_timeout"), ": timeout must be positive, got ", timeout.count(), " ms");

@@ -34,7 +34,8 @@ Reduction toReduction(const std::string& where, const at::Tensor& t, const c10d:
 void annotate(OpInfo& i, const at::Tensor& t, int64_t root, const char* redop);
 
 void checkRoot(const std::string& where, int64_t root, int size);
-void checkPeer(const std::string& where, int peer, int rank, int size);
+// `selfAllowed`: CUDA point-to-point, where a send to this rank itself is a device copy.
+void checkPeer(const std::string& where, int peer, int rank, int size, bool selfAllowed = false);
 const at::Tensor& single(const std::string& where, const std::vector<at::Tensor>& ts, const char* what = "tensor");
 void checkWritable(const std::string& where, const at::Tensor& t, const char* what);
 void checkSameDtype(const std::string& where, const at::Tensor& ref, const at::Tensor& t, const char* what);

@@ -28,6 +28,15 @@
   X(bool, blockingWait, "blocking_wait", false)           /* MYCCL_BLOCKING_WAIT */              \
   X(bool, avoidRecordStreams, "avoid_record_streams", false) /* MYCCL_AVOID_RECORD_STREAMS */    \
   X(bool, highPriorityStream, "high_priority_stream", false) /* MYCCL_HIGH_PRIORITY_STREAM */    \
+  X(bool, ncclNonblocking, "nccl_nonblocking", false)     /* MYCCL_NCCL_NONBLOCKING */           \
+  X(int, asyncErrorHandling, "async_error_handling", 3)   /* MYCCL_ASYNC_ERROR_HANDLING */       \
+  X(bool, enableTiming, "enable_timing", false)           /* MYCCL_ENABLE_TIMING */              \
+  X(bool, testCudaDouble, "test_cuda_double", false)      /* MYCCL_TEST_CUDA_DOUBLE */           \
+  X(int, testCudaDoubleDevices, "test_cuda_double_devices", 2) /* MYCCL_TEST_CUDA_DOUBLE_DEVICES */ \
+  X(int64_t, testCudaDoubleSeed, "test_cuda_double_seed", 0) /* MYCCL_TEST_CUDA_DOUBLE_SEED */    \
+  X(int, testCudaDoubleDelayUs, "test_cuda_double_delay_us", 100) /* MYCCL_TEST_CUDA_DOUBLE_DELAY_US */ \
+  X(int64_t, testCudaDoubleEagerBytes, "test_cuda_double_eager_bytes", 64 * 1024) /* ..._EAGER_BYTES */ \
+  X(int64_t, testCudaDoubleHangMs, "test_cuda_double_hang_ms", 10000) /* MYCCL_TEST_CUDA_DOUBLE_HANG_MS */ \
   X(int64_t, testConnectDelayMs, "test_connect_delay_ms", 0) /* MYCCL_TEST_CONNECT_DELAY_MS */   \
   X(int64_t, flightRecorderEntries, "flight_recorder_entries", 128) /* MYCCL_FLIGHT_RECORDER */  \
   X(std::string, flightRecorderDump, "flight_recorder_dump", "/tmp/myccl_flight_recorder") /* MYCCL_FLIGHT_RECORDER_DUMP */

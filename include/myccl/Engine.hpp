@@ -13,11 +13,16 @@
 #include <string>
 #include <vector>
 
+#include "myccl/AbortHooks.hpp"
 #include "myccl/Config.hpp"
 #include "myccl/Reduction.hpp"
 #include "myccl/Work.hpp"
 
 namespace myccl {
+
+namespace cuda::testdouble {
+class Machine;
+}
 
 class Engine {
  public:
@@ -49,6 +54,8 @@ class Engine {
   virtual WorkPtr endCoalescing(const OpInfo& info) { return {}; }
 
   virtual void eagerConnect(at::Device device) {}
+  // The device of the latest op (-1 before any, or for the CPU engine).
+  virtual int lastDevice() const { return -1; }
   virtual void setTimeout(std::chrono::milliseconds timeout) {}
   virtual void abort(const std::string& why) = 0;  // no waiting for peers
   virtual void shutdown() = 0;                      // finish queued work, then leave
@@ -57,11 +64,16 @@ class Engine {
 };
 
 // The CUDA engine of a group (communicators made lazily), or an error naming `where` when this
-// build has no NCCL.
-std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_ptr<c10d::Store> store, int rank,
-                                       int size, const std::string& group, const Config& cfg,
-                                       std::chrono::milliseconds timeout);
-// Whether makeCudaEngine can succeed in this build.
+// build has no NCCL. With cfg.testCudaDouble it runs on the strict host double instead (tests).
+// `keyPrefix`: the group incarnation's key space in the store.
+std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_ptr<c10d::Store> store,
+                                       const std::string& keyPrefix, int rank, int size, const std::string& group,
+                                       const Config& cfg, std::chrono::milliseconds timeout,
+                                       std::shared_ptr<AbortHooks> hooks);
+// The process's CUDA test double, made with cfg's MYCCL_TEST_CUDA_DOUBLE_* settings on first use
+// (by the first engine, or by a test selecting a device before any group exists).
+std::shared_ptr<cuda::testdouble::Machine> cudaDoubleMachine(const Config& cfg);
+// Whether this build can run CUDA tensors on a GPU (the double is always there, for tests).
 bool cudaEngineBuilt();
 // The version of the libnccl this process loaded ("" without the CUDA engine).
 std::string ncclRuntimeVersion();

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "myccl/AbortHooks.hpp"
@@ -89,6 +90,12 @@ class MycclBackend final : public c10d::Backend {
   bool supportsTensorAlloc(c10::DeviceIndex deviceIdx) override;
 
   void eagerConnectSingleDevice(at::Device device) override;
+#if MYCCL_TORCH_AT_LEAST(2, 14)
+  // init_process_group(device_id=...) binds the group to a device when it registers the backend
+  // (torch 2.14 made this virtual): the NCCL communicator is made there, eagerly, as torch's
+  // nccl does (it asks only backends that support splitting to connect eagerly).
+  void setBoundDeviceId(std::optional<at::Device> device) override;
+#endif
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -129,10 +136,18 @@ class MycclBackend final : public c10d::Backend {
   std::string where(const char* op) const;
   c10::intrusive_ptr<c10d::Work> record(c10::intrusive_ptr<c10d::Work> w);
   // Which engine: all tensors on CPU, or all on CUDA (with NCCL built); anything else raises.
+  // Under the CUDA test double (cfg.testCudaDouble) CPU tensors stand for CUDA tensors.
   bool isCuda(const char* op, const std::vector<at::Tensor>& tensors) const;
   Engine& engineFor(const char* op, const std::vector<at::Tensor>& tensors);
   Engine& cudaEngine(const char* op);  // made on first use
   std::vector<Engine*> engines();      // those that exist, CPU first
+  // The device a barrier orders, as torch's nccl picks it: device_ids[0], else the group's bound
+  // device, else the device of the CUDA engine's latest op; none: a CPU barrier.
+  std::optional<at::Device> barrierDevice(const c10d::BarrierOptions& opts);
+  // A coalescing block whose ops raised (torch then never calls end_coalescing) or that a new
+  // block replaced: its held ops fail with `why` and the group leaves coalescing mode.
+  void abandonCoalescing(const std::string& why);
+  friend class CoalescingGuard;
 
   const std::string group_;
   const std::vector<int64_t> globalRanks_;

@@ -3,6 +3,8 @@
 // make no sense); the CPU kernels and the NCCL engine both consume it.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -32,7 +34,11 @@ struct ReduceSpec {
 struct Reduction {
   ReduceSpec spec;
   bool premul = false;  // PREMUL_SUM: multiply the local input by `factor` first
-  double factor = 1.0;
+  double factor = 1.0;  // its value, on the host (what the CPU engine uses)
+  // The factor as the caller gave it when it was a tensor: the CUDA engine hands NCCL a device
+  // copy of it, read when the op runs, so issuing never synchronises with the device (and works
+  // during CUDA graph capture). Undefined for a plain number.
+  at::Tensor factorTensor;
 };
 
 }  // namespace myccl

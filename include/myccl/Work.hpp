@@ -56,6 +56,8 @@ class MycclWork : public c10d::Work {
   uint64_t getSequencenumber() const override;
 
   const OpInfo& info() const { return info_; }
+  // Completed by a device (the CUDA engine's Works), not by an engine thread.
+  virtual bool onDevice() const { return false; }
   std::chrono::steady_clock::time_point startTime() const { return started_.load() ? startedAt_ : queuedAt_; }
 
   // Engine side. markDone is idempotent: the first call decides the outcome.

@@ -1,33 +1,28 @@
-// The state of one group's CUDA engine and its launch path (private to src/cuda): the
-// communicator and NCCL stream of each device, Launch (one op's staging copies, NCCL calls and
-// copies back on one stream), issuing and publishing Works, and the coalescing block. Shared by
-// NcclEngine.cpp (lifecycle) and NcclOps.cpp (what each op launches).
+// The state of one group's CUDA engine and its launch path (private to src/cuda): communicator
+// slots (the group's, one per device, and a two-rank one per peer pair for point-to-point, each
+// with its own stream), Launch (one op's staging copies, NCCL calls and copies back on one
+// stream), issuing and publishing Works, the coalescing block and sends to self. Everything
+// device- or NCCL-specific goes through the Runtime seam (Runtime.hpp). Shared by NcclEngine.cpp
+// (lifecycle), Comms.cpp (communicators) and NcclOps.cpp (what each op launches).
 #pragma once
 
 #include "myccl/cuda/NcclEngine.hpp"
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
-#include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <sstream>
 
 #include "myccl/Errors.hpp"
-#include "myccl/cuda/CudaEvent.hpp"
 #include "myccl/cuda/NcclComm.hpp"
 #include "myccl/cuda/NcclTypes.hpp"
 #include "myccl/cuda/NcclWork.hpp"
 #include "myccl/cuda/Watchdog.hpp"
 
 namespace myccl::cuda {
-
 
 using NcclWorkPtr = c10::intrusive_ptr<NcclWork>;
 
@@ -62,42 +57,67 @@ inline bool consecutiveBlocks(const std::vector<at::Tensor>& ts, size_t each) {
   return true;
 }
 
-inline void checkNccl(ncclResult_t r, const char* call, const std::string& where, ncclComm_t comm) {
-  if (r == ncclSuccess || r == ncclInProgress) return;
-  auto kind = (r == ncclRemoteError || r == ncclSystemError) ? CommErrorKind::PeerGone : CommErrorKind::Local;
-  throw CommError(kind, where + ": " + call + " failed: " + ncclErrorText(r, comm));
+inline void checkNccl(Nccl& nccl, NcclResult r, const char* call, const std::string& where, NcclCommHandle comm) {
+  if (r == NcclResult::Success || r == NcclResult::InProgress) return;
+  auto kind = (r == NcclResult::RemoteError || r == NcclResult::SystemError) ? CommErrorKind::PeerGone
+                                                                              : CommErrorKind::Local;
+  throw CommError(kind, where + ": " + call + " failed: " + ncclErrorText(nccl, r, comm));
 }
+
+// A communicator with the stream its asynchronous ops run on.
+struct CommSlot {
+  std::string key;  // "group0", "p2p0-1"
+  std::shared_ptr<NcclComm> comm;
+  Stream stream{Stream::DEFAULT, c10::Device(c10::kCPU)};  // set when made
+  std::unique_ptr<Event> ready;  // caller's stream -> this stream; reusable, block() copies its state
+  int device = 0;
+  int lowRank = -1;  // two-rank communicators: the group rank that is rank 0 in it (-1: the group's)
+
+  // The rank `groupRank` has in this communicator.
+  int peerIndex(int groupRank) const { return lowRank < 0 ? groupRank : (groupRank == lowRank ? 0 : 1); }
+};
 
 // One enqueue: an op, or a coalesced batch of ops, on one communicator and one stream. Ops
 // describe themselves into it in three phases, so that no copy ever runs inside an open NCCL
 // group (kernels launched there would run before the group's, not after).
 class Launch {
  public:
-  using Call = std::function<ncclResult_t(const Launch&)>;
+  using Call = std::function<NcclResult(const Launch&)>;
 
-  Launch(NcclComm& comm, c10::cuda::CUDAStream stream) : comm_(comm), stream_(stream) {}
+  Launch(Device& dev, CommSlot& slot, Stream stream) : dev_(dev), slot_(slot), stream_(stream) {}
 
-  // ---- phase 1, now, on the stream: staging ----
+  // ---- phase 1, on the stream before the NCCL calls: staging ----
+  // Local work on the stream (copies between the caller's tensors and staging buffers).
+  void stage(std::function<void()> f) { stages_.push_back(std::move(f)); }
+  // A tensor of the given size and dtype for staging, allocated for this stream.
+  at::Tensor scratch(at::IntArrayRef sizes, at::ScalarType type) { return dev_.empty(sizes, type, stream_); }
   // A contiguous tensor of dtype `type` standing in for `user`; `user` itself when it already
-  // is one. copyIn: filled from `user` now; copyBack: copied into `user` after the NCCL calls.
+  // is one. copyIn: filled from `user` first; copyBack: copied into `user` after the NCCL calls.
   at::Tensor buffer(const at::Tensor& user, at::ScalarType type, bool copyIn, bool copyBack) {
     if (user.is_contiguous() && user.scalar_type() == type) return user;
-    at::Tensor buf = at::empty(user.sizes(), user.options().dtype(type).memory_format(at::MemoryFormat::Contiguous));
-    if (copyIn) buf.copy_(user);
+    at::Tensor buf = scratch(user.sizes(), type);
+    if (copyIn) stage([buf, user]() mutable { buf.copy_(user); });
     if (copyBack) after([user, buf]() mutable { user.copy_(buf); });
     return buf;
   }
   // A reduction operator for the calls; PREMUL_SUM operators are created per launch (before the
-  // group opens) and destroyed once it is closed. Returns a slot for op().
+  // group opens) and destroyed once it is closed. A tensor factor is copied on the stream into a
+  // device scalar that NCCL reads when the op runs: no host synchronisation. Returns a slot for op().
   int redOp(const NcclReduce& plan) {
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      const auto& s = slots_[i];
-      if (s.type == plan.type && s.op == plan.op && s.premul == plan.premul && s.factor == plan.factor) {
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      const auto& s = ops_[i].plan;
+      if (s.type == plan.type && s.op == plan.op && s.premul == plan.premul && s.factor == plan.factor &&
+          s.factorTensor.is_same(plan.factorTensor)) {
         return static_cast<int>(i);
       }
     }
-    slots_.push_back(plan);
-    return static_cast<int>(slots_.size() - 1);
+    OpSlot s{plan, {}, kNcclSum};
+    if (plan.premul && plan.factorTensor.defined()) {
+      s.scalar = scratch({1}, scalarTypeOf(plan.type));
+      stage([scalar = s.scalar, f = plan.factorTensor]() mutable { scalar.copy_(f.reshape({1})); });
+    }
+    ops_.push_back(std::move(s));
+    return static_cast<int>(ops_.size() - 1);
   }
   // ---- phase 2, inside one group, under the communicator lock ----
   void nccl(Call c) { calls_.push_back(std::move(c)); }
@@ -105,79 +125,96 @@ class Launch {
   void after(std::function<void()> f) { afters_.push_back(std::move(f)); }
 
   // For calls:
-  ncclComm_t comm() const { return handle_; }
-  cudaStream_t stream() const { return stream_.stream(); }
-  ncclRedOp_t op(int slot) const { return ops_.at(static_cast<size_t>(slot)); }
+  NcclCommHandle comm() const { return handle_; }
+  const Stream& stream() const { return stream_; }
+  NcclRedOp op(int slot) const { return ops_.at(static_cast<size_t>(slot)).op; }
+  int peer(int groupRank) const { return slot_.peerIndex(groupRank); }
+  Nccl& api() const { return slot_.comm->nccl(); }
 
-  // Runner: phase 2. Throws CommError (the group must then be failed).
+  // Runner: phases 1 and 2. Throws CommError (the group must then be failed).
   void issue(Clock::time_point deadline, const std::string& where) {
-    if (calls_.empty()) return;  // e.g. a group of one rank gathering: only local copies
-    auto lk = comm_.lock(where);
-    handle_ = comm_.get();
-    ops_.clear();
-    for (const auto& s : slots_) {
-      if (!s.premul) {
-        ops_.push_back(s.op);
-        continue;
-      }
-      alignas(8) unsigned char scalar[8] = {};
-      premulScalar(s.type, s.factor, scalar);
-      ncclRedOp_t op{};
-      checkNccl(ncclRedOpCreatePreMulSum(&op, scalar, s.type, ncclScalarHostImmediate, handle_),
-                "ncclRedOpCreatePreMulSum", where, handle_);
-      created_.push_back(op);
-      ops_.push_back(op);
+    if (!stages_.empty()) {
+      dev_.enqueue(stream_, [fs = std::move(stages_)]() {
+        for (const auto& f : fs) f();
+      });
+      stages_.clear();
     }
-    checkNccl(ncclGroupStart(), "ncclGroupStart", where, handle_);
+    if (calls_.empty()) return;  // e.g. a group of one rank gathering: only local copies
+    NcclComm& comm = *slot_.comm;
+    Nccl& api = comm.nccl();
+    auto lk = comm.lock(where);
+    handle_ = comm.get();
+    std::vector<NcclRedOp> created;
+    for (auto& s : ops_) {
+      s.op = s.plan.op;
+      if (!s.plan.premul) continue;
+      alignas(8) unsigned char host[8] = {};
+      NcclResult r;
+      if (s.scalar.defined()) {
+        r = api.redOpCreatePreMulSum(&s.op, s.scalar.data_ptr(), s.plan.type, ScalarResidence::Device, handle_);
+      } else {
+        premulScalar(s.plan.type, s.plan.factor, host);
+        r = api.redOpCreatePreMulSum(&s.op, host, s.plan.type, ScalarResidence::HostImmediate, handle_);
+      }
+      checkNccl(api, r, "ncclRedOpCreatePreMulSum", where, handle_);
+      created.push_back(s.op);
+    }
+    checkNccl(api, api.groupStart(), "ncclGroupStart", where, handle_);
     try {
       for (const auto& c : calls_) {
         // Aborted from another thread while this one was stuck inside NCCL: the handle is gone.
-        if (comm_.aborted()) throw CommError(CommErrorKind::Aborted, where + ": the NCCL communicator was aborted");
-        checkNccl(c(*this), "an NCCL call", where, handle_);
+        if (comm.aborted()) throw CommError(CommErrorKind::Aborted, where + ": the NCCL communicator was aborted");
+        checkNccl(api, c(*this), "an NCCL call", where, handle_);
       }
     } catch (...) {
-      (void)ncclGroupEnd();  // keep this thread's group depth right; the group is failed next
+      (void)api.groupEnd();  // keep this thread's group depth right; the group is failed next
       throw;
     }
-    ncclResult_t r = ncclGroupEnd();
-    checkNccl(r, "ncclGroupEnd", where, handle_);
-    comm_.settle(lk, r, deadline, where);
+    NcclResult r = api.groupEnd();
+    checkNccl(api, r, "ncclGroupEnd", where, handle_);
+    comm.settle(lk, r, deadline, where);
     // "An operator may be destroyed as soon as the last NCCL function given it returns": that is
     // the group end.
-    for (auto op : created_) (void)ncclRedOpDestroy(op, handle_);
-    created_.clear();
+    for (auto op : created) (void)api.redOpDestroy(op, handle_);
     calls_.clear();  // drops the staging buffers the calls captured: stream order keeps them safe
   }
   // Runner: phase 3.
   void finish() {
-    for (auto& f : afters_) f();
+    if (afters_.empty()) return;
+    dev_.enqueue(stream_, [fs = std::move(afters_)]() {
+      for (const auto& f : fs) f();
+    });
     afters_.clear();
   }
 
  private:
-  NcclComm& comm_;
-  c10::cuda::CUDAStream stream_;
-  ncclComm_t handle_ = nullptr;
+  struct OpSlot {
+    NcclReduce plan;
+    at::Tensor scalar;  // device premul factor
+    NcclRedOp op;
+  };
+  Device& dev_;
+  CommSlot& slot_;
+  Stream stream_;
+  NcclCommHandle handle_ = nullptr;
+  std::vector<std::function<void()>> stages_;
   std::vector<Call> calls_;
   std::vector<std::function<void()>> afters_;
-  std::vector<NcclReduce> slots_;
-  std::vector<ncclRedOp_t> ops_;
-  std::vector<ncclRedOp_t> created_;
+  std::vector<OpSlot> ops_;
 };
 
-// One op waiting to be issued: its Work, the caller's tensors the NCCL stream will touch, and
-// how it stages and issues itself.
+// Which communicator an op runs on.
+struct Target {
+  enum Kind { Group, Pair } kind = Group;
+  int peer = -1;  // Pair: the other group rank
+};
+
+// One op waiting to be issued: its Work, the caller's tensors the stream will touch, and how it
+// stages and issues itself.
 struct Item {
   NcclWorkPtr work;
   std::vector<at::Tensor> keep;
   std::function<void(Launch&)> prepare;
-};
-
-struct DeviceState {
-  DeviceState(std::shared_ptr<NcclComm> c, c10::cuda::CUDAStream s) : comm(std::move(c)), stream(s) {}
-  std::shared_ptr<NcclComm> comm;
-  c10::cuda::CUDAStream stream;  // async ops run here
-  c10::cuda::CUDAEvent ready;    // caller's stream -> NCCL stream; reusable, the wait copies its state
 };
 
 inline std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::Tensor>& b) {
@@ -185,38 +222,46 @@ inline std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vect
   return a;
 }
 
+// Sends to and receives from this rank itself outside a batch, matched per tag in posting
+// order: NCCL would need both in one group, so the pair becomes one device copy once both
+// have been posted.
+struct SelfPost {
+  NcclWorkPtr work;
+  at::Tensor tensor;
+  std::shared_ptr<Event> ready;  // the caller's stream at posting time
+  int device;
+};
 
 struct NcclEngine::Impl {
-  Impl(c10::intrusive_ptr<c10d::Store> s, int r, int n, std::string g, const Config& c, std::chrono::milliseconds t)
-      : store(std::move(s)), rank(r), size(n), group(std::move(g)), cfg(c), timeout(t), timeoutFixed(t.count() > 0) {
-    if (!timeoutFixed) timeout = store->getTimeout();
-    // A fresh key space per incarnation of the group: a store reused across destroy and
-    // re-init must never hand out a previous incarnation's NCCL id. Every rank creates its
-    // engine at its first CUDA op, which needs all ranks, so tickets of one incarnation are
-    // taken before any of the next.
-    const int64_t ticket = store->add("myccl/nccl/incarnation", 1);
-    prefix = "myccl/nccl/" + std::to_string((ticket - 1) / size) + "/";
-    watchdog = std::make_shared<Watchdog>(rank, group);
-    watchdog->start();
-  }
+  Impl(c10::intrusive_ptr<c10d::Store> s, std::string keyPrefix, int r, int n, std::string g, const Config& c,
+       std::chrono::milliseconds t, Runtime runtime, std::shared_ptr<AbortHooks> hooks);
 
   c10::intrusive_ptr<c10d::Store> store;
+  const std::string prefix;  // this incarnation's key space for NCCL ids
   const int rank;
   const int size;
   const std::string group;
   const Config cfg;
+  Runtime rt;
+  Device& dev;
   // Bounds eagerConnect and shutdown. Until given (constructor or setTimeout) it follows the
   // ops' timeouts, which are the group's timeout unless an op asked for its own.
   std::atomic<std::chrono::milliseconds> timeout;
   std::atomic<bool> timeoutFixed;
-  std::string prefix;
   std::shared_ptr<Watchdog> watchdog;
 
   // Serialises issuing: NCCL groups are per thread, and ops must reach NCCL in issue order.
   // Never taken by abort(), which must work while an issuing thread is stuck.
   std::mutex issueMu;
-  std::map<c10::DeviceIndex, std::unique_ptr<DeviceState>> devices;
-  int created = 0;  // communicators created (attempted) so far
+  std::map<std::string, std::unique_ptr<CommSlot>> slots;  // by key, see groupSlot/pairSlot
+  std::map<int, std::string> groupKeyOf;                   // device -> key of its group slot
+  std::map<std::string, int> creations;                    // store-key attempts per slot key
+  int groupComms = 0;
+  std::atomic<int> lastDevice{-1};  // the device of the latest op (barrier's default)
+
+  // Communicators being created, so that abort() reaches them too.
+  std::mutex creatingMu;
+  std::vector<std::shared_ptr<NcclComm>> creating;
 
   // Coalescing state (short critical sections only).
   std::mutex coalesceMu;
@@ -224,7 +269,17 @@ struct NcclEngine::Impl {
   std::vector<Item> deferred;
   std::optional<c10::Device> deferredDevice;
 
+  // Unmatched sends to / receives from self, per tag.
+  std::mutex selfMu;
+  std::map<int, std::deque<SelfPost>> selfSends, selfRecvs;
+  std::optional<Stream> selfStream;
+
   std::atomic<bool> closed{false};
+
+  bool isCoalescing() {
+    std::lock_guard<std::mutex> lk(coalesceMu);
+    return coalescing;
+  }
 
   void checkOpen(const OpInfo& info) const {
     watchdog->throwIfFailed(info);
@@ -232,179 +287,51 @@ struct NcclEngine::Impl {
   }
 
   NcclWorkPtr makeWork(const OpInfo& info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
-                       c10::Device dev) {
-    return c10::make_intrusive<NcclWork>(info, std::move(inputs), std::move(outputs), dev, watchdog,
+                       c10::Device device) {
+    return c10::make_intrusive<NcclWork>(info, std::move(inputs), std::move(outputs), device, rt.device, watchdog,
                                          cfg.blockingWait);
   }
 
-  // Lazily, collectively: rank 0 makes the id, the others read it from the store.
-  DeviceState& deviceState(c10::Device dev, std::chrono::milliseconds limit, const std::string& where) {
-    const c10::DeviceIndex idx = dev.index();
-    auto it = devices.find(idx);
-    if (it != devices.end()) return *it->second;
-    MYCCL_CHECK(!isCapturing(c10::cuda::getCurrentCUDAStream(idx)), where, ": the first CUDA op on ", dev,
-                " of this group is being captured into a CUDA graph, and NCCL communicators cannot be created "
-                "during capture; run one op (or eager_connect) on this device before capturing");
-    // Keyed by the engine's creation count, not by the device index: rank r usually drives
-    // cuda:r, so the index differs across ranks, while every rank creates its n-th
-    // communicator at the same op.
-    const int attempt = created++;
-    const std::string key = prefix + "comm" + std::to_string(attempt) + "/id";
-    ncclUniqueId id;
-    if (rank == 0) {
-      ncclResult_t r = ncclGetUniqueId(&id);
-      if (r != ncclSuccess) throwDistError(where + ": ncclGetUniqueId failed: " + ncclErrorText(r));
-      const auto* p = reinterpret_cast<const uint8_t*>(&id);
-      store->set(key, std::vector<uint8_t>(p, p + sizeof id));
-    } else {
-      try {
-        store->wait({key}, limit);
-      } catch (const c10::Error& e) {
-        std::ostringstream os;
-        os << where << ": timed out after " << limit.count() << " ms waiting for rank 0 to publish the NCCL id for "
-           << dev << " (store key '" << key << "'); has rank 0 reached its first CUDA op on this group? ("
-           << e.what_without_backtrace() << ")";
-        throwDistError(os.str());
-      }
-      auto v = store->get(key);
-      MYCCL_CHECK(v.size() == sizeof id, where, ": the NCCL id under store key '", key, "' has ", v.size(),
-                  " bytes, expected ", sizeof id);
-      std::memcpy(&id, v.data(), sizeof id);
-    }
-    auto comm = NcclComm::create(id, rank, size, idx, "myccl:" + group, Clock::now() + limit, where);
-    auto stream = c10::cuda::getStreamFromPool(cfg.highPriorityStream, idx);
-    watchdog->addComm(comm);
-    auto& slot = devices[idx];
-    slot = std::make_unique<DeviceState>(std::move(comm), stream);
-    return *slot;
-  }
+  // ---- communicators (Comms.cpp) ----
+  // The group's communicator on `device` (made on first use: collective over the group).
+  CommSlot& groupSlot(int device, Clock::time_point deadline, const std::string& where);
+  // The two-rank communicator with `peer` on `device` (made on first use by these two only).
+  CommSlot& pairSlot(int peer, int device, Clock::time_point deadline, const std::string& where);
+  CommSlot& slotFor(const Target& target, int device, Clock::time_point deadline, const std::string& where);
+  // Makes the communicator of `members` (group ranks, in the communicator's rank order; the first
+  // makes the id) under `key`, which every member derives alike; bounded by `deadline`,
+  // interrupted by abort(). `pair`: a two-rank point-to-point communicator.
+  CommSlot& create(const std::string& key, const std::vector<int>& members, bool pair, int device,
+                   Clock::time_point deadline, const std::string& where);
+  // Waits for keys other ranks publish, in short slices so that abort() is noticed.
+  void awaitKeys(const std::vector<std::string>& keys, const std::vector<int>& ranks, Clock::time_point deadline,
+                 const std::string& what, const std::string& where);
 
-  // Where an issued op went: what its Works complete on.
+  // ---- issuing (NcclEngine.cpp) ----
   struct Issued {
-    std::shared_ptr<c10::cuda::CUDAEvent> end;
-    c10::cuda::CUDAStream stream;
+    std::shared_ptr<Event> start, end;
+    Stream stream;
     std::shared_ptr<NcclComm> comm;
     bool captured;
   };
-
   // Issues `items` (one op, or a coalesced batch) as one group on one stream; `extra` are Works
   // that complete with them (the coalesced batch's own Work). Any failure here fails the group:
   // peers may already be inside this op, and skipping it would misalign every later op.
-  Issued run(std::vector<Item>& items, c10::Device dev, bool asyncOp, const OpInfo& info,
-             const std::vector<NcclWorkPtr>& extra) {
-    const std::string where = info.describe();
-    try {
-      c10::cuda::CUDAGuard deviceGuard(dev.index());
-      DeviceState& ds = deviceState(dev, info.timeout, where);
-      const auto current = c10::cuda::getCurrentCUDAStream(dev.index());
-      const bool captured = isCapturing(current);
-      const c10::cuda::CUDAStream stream = asyncOp ? ds.stream : current;
-      if (asyncOp) {
-        // The NCCL stream starts after everything the caller enqueued so far (inputs are ready).
-        ds.ready.record(current);
-        ds.ready.block(stream);
-      }
-      // Staging buffers are allocated for, and copies run on, the op's stream.
-      c10::cuda::CUDAStreamGuard streamGuard(stream);
-      Launch launch(*ds.comm, stream);
-      for (auto& it : items) it.prepare(launch);
-      launch.issue(Clock::now() + info.timeout, where);
-      launch.finish();
-      auto end = std::make_shared<c10::cuda::CUDAEvent>();
-      end->record(stream);
-      if (asyncOp && !cfg.avoidRecordStreams) {
-        // The caller may drop its tensors at once; the allocator must not hand their memory to
-        // the caller's stream before the NCCL stream is done with it.
-        for (auto& it : items) {
-          for (auto& t : it.keep) {
-            if (t.defined() && t.storage().nbytes() > 0) {
-              c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
-            }
-          }
-        }
-      }
-      // (avoidRecordStreams: each Work holds its tensors until the watchdog sees it finished.)
-      return Issued{std::move(end), stream, ds.comm, captured};
-    } catch (const CommError& e) {
-      failGroup(items, extra, e.what(), e.kind() == CommErrorKind::Timeout);
-      throwDistError(std::string("myccl: ") + e.what());
-    } catch (const std::exception& e) {
-      // Keep the exception's type (OutOfMemoryError, DistBackendError, ...) for the caller.
-      failGroup(items, extra, where + ": could not be issued: " + errorText(e), false);
-      throw;
-    }
-  }
-
+  Issued run(std::vector<Item>& items, c10::Device device, const Target& target, bool asyncOp, const OpInfo& info,
+             const std::vector<NcclWorkPtr>& extra);
   // Completes the Works' futures and hands them to the watchdog. Outside issueMu: future
   // callbacks run inline here and may well issue the next op.
-  void publish(const std::vector<Item>& items, const std::vector<NcclWorkPtr>& extra, const Issued& where) {
-    std::exception_ptr callbackError;
-    auto one = [&](const NcclWorkPtr& w) {
-      try {
-        w->launched(where.end, where.stream, where.comm, where.captured);
-      } catch (...) {
-        if (!callbackError) callbackError = std::current_exception();  // a callback threw; the op is issued
-      }
-      if (!where.captured) watchdog->track(w);
-    };
-    for (const auto& it : items) one(it.work);
-    for (const auto& w : extra) one(w);
-    if (callbackError) std::rethrow_exception(callbackError);
-  }
-
+  void publish(const std::vector<Item>& items, const std::vector<NcclWorkPtr>& extra, const Issued& where);
   void failGroup(std::vector<Item>& items, const std::vector<NcclWorkPtr>& extra, const std::string& why,
-                 bool timedOut) {
-    watchdog->fail(why, timedOut);
-    for (auto& it : items) {
-      if (!it.work->isLaunched()) it.work->fail("myccl: " + why);
-    }
-    for (auto& w : extra) {
-      if (!w->isLaunched()) w->fail("myccl: " + why);
-    }
-  }
-
+                 bool timedOut);
   // Every op goes through here.
-  NcclEngine::WorkPtr submit(const OpInfo& info, c10::Device dev, bool asyncOp, std::vector<at::Tensor> inputs,
+  NcclEngine::WorkPtr submit(const OpInfo& info, c10::Device device, bool asyncOp, std::vector<at::Tensor> inputs,
                              std::vector<at::Tensor> outputs, std::function<void(Launch&)> prepare,
-                             bool hostSync = false) {
-    checkOpen(info);
-    if (!timeoutFixed) timeout = info.timeout;
-    auto work = makeWork(info, inputs, outputs, dev);
-    if (hostSync) work->setHostSync();
-    Item item{work, concat(std::move(inputs), outputs), std::move(prepare)};
-    {
-      std::lock_guard<std::mutex> lk(coalesceMu);
-      if (coalescing) {
-        MYCCL_CHECK(!deferredDevice || *deferredDevice == dev, info.describe(),
-                    ": all CUDA ops of one coalescing block must use one device; this one uses ", dev,
-                    ", earlier ones ", *deferredDevice);
-        deferredDevice = dev;
-        deferred.push_back(std::move(item));
-        return work;
-      }
-    }
-    std::vector<Item> items;
-    items.push_back(std::move(item));
-    std::optional<Issued> issued;
-    {
-      std::lock_guard<std::mutex> lk(issueMu);
-      checkOpen(info);
-      issued.emplace(run(items, dev, asyncOp, info, {}));
-    }
-    publish(items, {}, *issued);
-    return work;
-  }
-
-  void dropDeferred(const std::string& why) {
-    std::vector<Item> items;
-    {
-      std::lock_guard<std::mutex> lk(coalesceMu);
-      items.swap(deferred);
-      deferredDevice.reset();
-      coalescing = false;
-    }
-    for (auto& it : items) it.work->fail("myccl: " + it.work->info().describe() + ": not issued: " + why);
-  }
+                             Target target = {}, bool hostSync = false);
+  void dropDeferred(const std::string& why);
+  // A send to / receive from this rank itself (outside a batch).
+  NcclEngine::WorkPtr postSelf(const OpInfo& info, at::Tensor t, int tag, bool isSend);
+  void abortComms();
 };
 
 }  // namespace myccl::cuda

@@ -1,10 +1,9 @@
-// NcclComm: creation of nonblocking communicators, polling ncclInProgress against deadlines,
-// abort from any thread, graceful finalize. Every NCCL call on a communicator happens under its
-// lock, so abort (which frees the handle) can never race with a call in another thread.
+// NcclComm: creating communicators (blocking or nonblocking), polling InProgress against
+// deadlines, abort from any thread, graceful finalize. Every NCCL call on a communicator happens
+// under its lock, so abort (which frees the handle) can never race with a call in another thread.
 #include "myccl/cuda/NcclComm.hpp"
 
-#include <c10/cuda/CUDAGuard.h>
-
+#include <future>
 #include <sstream>
 #include <thread>
 
@@ -13,20 +12,6 @@
 namespace myccl::cuda {
 
 namespace {
-
-const char* resultName(ncclResult_t r) {
-  switch (r) {
-    case ncclSuccess: return "ncclSuccess";
-    case ncclUnhandledCudaError: return "ncclUnhandledCudaError";
-    case ncclSystemError: return "ncclSystemError";
-    case ncclInternalError: return "ncclInternalError";
-    case ncclInvalidArgument: return "ncclInvalidArgument";
-    case ncclInvalidUsage: return "ncclInvalidUsage";
-    case ncclRemoteError: return "ncclRemoteError";
-    case ncclInProgress: return "ncclInProgress";
-    default: return "ncclResult";
-  }
-}
 
 // Polls fast at first (connection setup usually takes micro- to milliseconds), then backs off
 // so a long wait does not burn a core.
@@ -46,73 +31,90 @@ class Backoff {
   int n_ = 0;
 };
 
-CommErrorKind kindOf(ncclResult_t r) {
-  return (r == ncclRemoteError || r == ncclSystemError) ? CommErrorKind::PeerGone : CommErrorKind::Local;
+CommErrorKind kindOf(NcclResult r) {
+  return (r == NcclResult::RemoteError || r == NcclResult::SystemError) ? CommErrorKind::PeerGone
+                                                                        : CommErrorKind::Local;
 }
 
 }  // namespace
 
-std::string ncclErrorText(ncclResult_t r, ncclComm_t comm) {
+std::string ncclErrorText(Nccl& nccl, NcclResult r, NcclCommHandle comm) {
   std::ostringstream os;
-  os << resultName(r) << " (" << ncclGetErrorString(r) << ")";
-  const char* last = ncclGetLastError(comm);
+  os << ncclResultName(r) << " (" << nccl.errorString(r) << ")";
+  const char* last = nccl.lastError(comm);
   if (last != nullptr && *last != '\0') os << ": " << last;
   return os.str();
 }
 
-std::shared_ptr<NcclComm> NcclComm::create(const ncclUniqueId& id, int rank, int size, c10::DeviceIndex device,
-                                           const std::string& name, Clock::time_point deadline,
-                                           const std::string& where) {
-  std::shared_ptr<NcclComm> c(new NcclComm(device, name));
-  c10::cuda::CUDAGuard guard(device);
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  // Nonblocking: creation returns at once and is polled below, so a rank that never arrives
-  // turns into a timeout error instead of a thread stuck inside NCCL forever.
-  config.blocking = 0;
-  config.commName = c->name_.c_str();
-  auto lk = c->lock(where);
-  ncclResult_t r = ncclCommInitRankConfig(&c->comm_, size, id, rank, &config);
-  if (r != ncclSuccess && r != ncclInProgress) {
-    // Nothing usable was created (or a half-made communicator that abort cleans up).
-    std::string text = ncclErrorText(r, c->comm_);
-    c->abortLocked();
-    throwDistError(where + ": creating the NCCL communicator for cuda:" + std::to_string(device) + " failed: " + text);
-  }
-  try {
-    c->settle(lk, r, deadline, where);
-  } catch (const CommError& e) {
-    c->abortLocked();
-    std::ostringstream os;
-    os << where << ": creating the NCCL communicator for cuda:" << device << " (rank " << rank << " of " << size
-       << ") failed: " << e.what();
-    if (e.kind() == CommErrorKind::Timeout) {
-      os << "; every rank of the group must reach its first CUDA operation on this group (or eager_connect) "
-            "within the timeout";
-    }
-    throwDistError(os.str());
-  }
-  return c;
-}
+NcclComm::NcclComm(Runtime rt, int device, std::string name, bool blocking)
+    : rt_(std::move(rt)), device_(device), name_(std::move(name)), blocking_(blocking) {}
 
 NcclComm::~NcclComm() {
   std::lock_guard<std::timed_mutex> g(mu_);
   abortLocked();
 }
 
+void NcclComm::init(const NcclUniqueId& id, int rank, int size, Clock::time_point deadline, const std::string& where) {
+  DeviceGuard guard(*rt_.device, device_);
+  NcclCommConfig config;
+  config.blocking = blocking_;
+  config.name = name_.c_str();
+  auto lk = lock(where);
+  NcclResult r = rt_.nccl->commInitRank(&comm_, size, id, rank, config);
+  std::ostringstream what;
+  what << "creating the NCCL communicator '" << name_ << "' for cuda:" << device_ << " (rank " << rank << " of "
+       << size << ")";
+  finishCreation(lk, r, deadline, where, what.str());
+}
+
+bool NcclComm::split(NcclComm& parent, int color, int key, Clock::time_point deadline, const std::string& where) {
+  DeviceGuard guard(*rt_.device, device_);
+  NcclCommConfig config;
+  config.blocking = blocking_;
+  config.name = name_.c_str();
+  auto plk = parent.lock(where);
+  auto lk = lock(where);
+  NcclResult r = rt_.nccl->commSplit(parent.get(), color < 0 ? -1 : color, key, &comm_, config);
+  plk.unlock();
+  finishCreation(lk, r, deadline, where, "splitting communicator '" + parent.name() + "' into '" + name_ + "'");
+  return comm_ != nullptr;
+}
+
+void NcclComm::finishCreation(Lock& lk, NcclResult r, Clock::time_point deadline, const std::string& where,
+                              const std::string& what) {
+  if (r != NcclResult::Success && r != NcclResult::InProgress) {
+    std::string text = ncclErrorText(*rt_.nccl, r, comm_);
+    abortLocked();
+    throwDistError(where + ": " + what + " failed: " + text);
+  }
+  try {
+    settle(lk, r, deadline, where);
+  } catch (const CommError& e) {
+    abortLocked();
+    std::ostringstream os;
+    os << where << ": " << what << " failed: " << e.what();
+    if (e.kind() == CommErrorKind::Timeout) {
+      os << "; every rank of the communicator must reach its first operation on it within the timeout";
+    }
+    throwDistError(os.str());
+  }
+  ready_ = true;
+}
+
 NcclComm::Lock NcclComm::lock(const std::string& where) {
   Lock lk(mu_);
   if (dead_) {
-    throw CommError(CommErrorKind::Aborted,
-                    where + ": the NCCL communicator for cuda:" + std::to_string(device_) + " has been aborted");
+    throw CommError(CommErrorKind::Aborted, where + ": the NCCL communicator '" + name_ + "' for cuda:" +
+                                               std::to_string(device_) + " has been aborted");
   }
   return lk;
 }
 
-void NcclComm::settle(Lock& lk, ncclResult_t r, Clock::time_point deadline, const std::string& where) {
+void NcclComm::settle(Lock& lk, NcclResult r, Clock::time_point deadline, const std::string& where) {
   Backoff backoff;
-  while (r == ncclInProgress) {
+  while (r == NcclResult::InProgress) {
     // NCCL forbids any other call on the communicator (and kernels on its streams) until it
-    // leaves ncclInProgress; the lock is only dropped so the watchdog can look or abort.
+    // leaves InProgress; the lock is only dropped so that the watchdog can look or abort.
     if (Clock::now() > deadline) {
       throw CommError(CommErrorKind::Timeout, where + ": NCCL was still setting up (connecting to peers) when the "
                                                       "timeout expired; a peer has probably not reached this op");
@@ -121,45 +123,40 @@ void NcclComm::settle(Lock& lk, ncclResult_t r, Clock::time_point deadline, cons
     backoff.pause();
     lk.lock();
     if (dead_) throw CommError(CommErrorKind::Aborted, where + ": the NCCL communicator was aborted meanwhile");
-    ncclResult_t st = ncclSuccess;
-    ncclResult_t q = ncclCommGetAsyncError(comm_, &st);
-    r = (q != ncclSuccess) ? q : st;
+    NcclResult st = NcclResult::Success;
+    NcclResult q = rt_.nccl->commGetAsyncError(comm_, &st);
+    r = (q != NcclResult::Success) ? q : st;
   }
-  if (r != ncclSuccess) throw CommError(kindOf(r), where + ": NCCL error " + ncclErrorText(r, comm_));
+  if (r != NcclResult::Success) {
+    throw CommError(kindOf(r), where + ": NCCL error " + ncclErrorText(*rt_.nccl, r, comm_));
+  }
 }
 
-ncclResult_t NcclComm::asyncError() {
+NcclResult NcclComm::asyncError() {
   std::unique_lock<std::timed_mutex> lk(mu_, std::try_to_lock);
-  if (!lk.owns_lock() || dead_ || comm_ == nullptr) return ncclSuccess;
-  ncclResult_t st = ncclSuccess;
-  ncclResult_t q = ncclCommGetAsyncError(comm_, &st);
-  return q != ncclSuccess ? q : st;
-}
-
-std::string NcclComm::lastError() {
-  std::unique_lock<std::timed_mutex> lk(mu_, std::try_to_lock);
-  const char* s = ncclGetLastError(lk.owns_lock() && !dead_ ? comm_ : nullptr);
-  return s ? std::string(s) : std::string();
+  if (!lk.owns_lock() || dead_ || comm_ == nullptr || !ready_) return NcclResult::Success;
+  NcclResult st = NcclResult::Success;
+  NcclResult q = rt_.nccl->commGetAsyncError(comm_, &st);
+  return q != NcclResult::Success ? q : st;
 }
 
 void NcclComm::abort() {
   if (dead_) return;
-  // A thread inside a (nonblocking, hence short) NCCL call holds the lock only briefly; one
-  // stuck anyway (e.g. a kernel launch on a full queue behind a hung kernel) must not keep the
-  // watchdog from aborting: NCCL allows ncclCommAbort from another thread to unblock it.
+  // A thread inside an NCCL call holds the lock; with blocking communicators that call may be
+  // stuck on a peer (a launch behind a hung kernel, connection setup). NCCL allows aborting from
+  // another thread precisely to unblock it, so after a short wait abort without the lock.
   std::unique_lock<std::timed_mutex> lk(mu_, std::defer_lock);
-  (void)lk.try_lock_for(std::chrono::seconds(10));
+  (void)lk.try_lock_for(std::chrono::seconds(2));
   abortLocked();
 }
 
 void NcclComm::abortLocked() {
   if (dead_.exchange(true)) return;  // exactly one abort, even without the lock
-  ncclComm_t c = comm_;
-  comm_ = nullptr;
+  NcclCommHandle c = comm_;
   if (c == nullptr) return;
   try {
-    c10::cuda::CUDAGuard guard(device_);
-    (void)ncclCommAbort(c);
+    DeviceGuard guard(*rt_.device, device_);
+    (void)rt_.nccl->commAbort(c);
   } catch (...) {
     // CUDA already torn down (process exit): nothing left to release.
   }
@@ -168,19 +165,39 @@ void NcclComm::abortLocked() {
 bool NcclComm::finalize(Clock::time_point deadline) {
   Lock lk(mu_);
   if (dead_ || comm_ == nullptr) return false;
-  c10::cuda::CUDAGuard guard(device_);
+  DeviceGuard guard(*rt_.device, device_);
+  if (blocking_) {
+    // A blocking finalize returns when NCCL is done, which a peer that is gone can make never:
+    // it runs aside, and past the deadline this thread aborts the communicator (which NCCL
+    // allows from another thread to unblock it).
+    auto done = std::make_shared<std::promise<NcclResult>>();
+    auto result = done->get_future();
+    std::thread aside([rt = rt_, c = comm_, d = device_, done] {
+      rt.device->set(d);
+      done->set_value(rt.nccl->commFinalize(c));
+    });
+    if (result.wait_until(deadline) == std::future_status::ready && result.get() == NcclResult::Success) {
+      aside.join();
+      dead_ = true;
+      (void)rt_.nccl->commDestroy(comm_);
+      return true;
+    }
+    abortLocked();
+    aside.detach();  // returns once the abort has stopped it; nothing it touches goes away
+    return false;
+  }
   try {
-    ncclResult_t r = ncclCommFinalize(comm_);
-    if (r != ncclSuccess && r != ncclInProgress) throw CommError(kindOf(r), ncclErrorText(r, comm_));
+    NcclResult r = rt_.nccl->commFinalize(comm_);
+    if (r != NcclResult::Success && r != NcclResult::InProgress) {
+      throw CommError(kindOf(r), ncclErrorText(*rt_.nccl, r, comm_));
+    }
     settle(lk, r, deadline, "finalize");
   } catch (const CommError&) {
     abortLocked();
     return false;
   }
   dead_ = true;
-  ncclComm_t c = comm_;
-  comm_ = nullptr;
-  (void)ncclCommDestroy(c);
+  (void)rt_.nccl->commDestroy(comm_);
   return true;
 }
 

@@ -1,19 +1,229 @@
-// NcclEngine: communicators per device (ids through the store), the NCCL stream per device,
-// and every op expressed as three phases on one stream: staging copies into contiguous
-// buffers, the NCCL calls inside one ncclGroupStart/End, copies back into the caller's
-// tensors (the ops: NcclOps.cpp; the launch path: EngineImpl.hpp). Works complete by CUDA
-// event; the watchdog enforces timeouts. This file: construction, coalescing, lifecycle.
+// NcclEngine: every op expressed as three phases on one stream (staging copies into contiguous
+// buffers, the NCCL calls inside one group, copies back into the caller's tensors; the ops are
+// in NcclOps.cpp, the communicators in Comms.cpp). This file: issuing and publishing Works,
+// coalescing, sends to self, lifecycle. Works complete by event; the watchdog enforces timeouts.
+#include <sstream>
+
 #include "EngineImpl.hpp"
 
 namespace myccl::cuda {
 
-NcclEngine::NcclEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::string group,
-                       const Config& cfg, std::chrono::milliseconds timeout)
-    : impl_(std::make_unique<Impl>(std::move(store), rank, size, std::move(group), cfg, timeout)) {}
+NcclEngine::Impl::Impl(c10::intrusive_ptr<c10d::Store> s, std::string keyPrefix, int r, int n, std::string g,
+                       const Config& c, std::chrono::milliseconds t, Runtime runtime,
+                       std::shared_ptr<AbortHooks> hooks)
+    : store(std::move(s)),
+      prefix(std::move(keyPrefix)),
+      rank(r),
+      size(n),
+      group(std::move(g)),
+      cfg(c),
+      rt(std::move(runtime)),
+      dev(*rt.device),
+      timeout(t),
+      timeoutFixed(t.count() > 0) {
+  if (!timeoutFixed) timeout = store->getTimeout();
+  WatchdogPolicy policy;
+  policy.handling = static_cast<ErrorHandling>(cfg.asyncErrorHandling);
+  policy.blockingWait = cfg.blockingWait;
+  policy.hooks = std::move(hooks);
+  watchdog = std::make_shared<Watchdog>(rank, group, rt.device, policy);
+  // The watchdog's thread starts with the first communicator, on that communicator's device.
+}
+
+NcclEngine::Impl::Issued NcclEngine::Impl::run(std::vector<Item>& items, c10::Device device, const Target& target,
+                                               bool asyncOp, const OpInfo& info, const std::vector<NcclWorkPtr>& extra) {
+  const std::string where = info.describe();
+  const int idx = device.index();
+  try {
+    DeviceGuard deviceGuard(dev, idx);
+    CommSlot& slot = slotFor(target, idx, Clock::now() + info.timeout, where);
+    const Stream current = dev.currentStream(idx);
+    const bool captured = dev.isCapturing(current);
+    const Stream stream = asyncOp ? slot.stream : current;
+    if (asyncOp) {
+      // The op's stream starts after everything the caller enqueued so far (inputs are ready).
+      slot.ready->record(current);
+      slot.ready->block(stream);
+    }
+    std::shared_ptr<Event> start;
+    if (cfg.enableTiming && !captured) {
+      start = dev.newEvent(/*timing=*/true);
+      start->record(stream);
+    }
+    Launch launch(dev, slot, stream);
+    for (auto& it : items) it.prepare(launch);
+    launch.issue(Clock::now() + info.timeout, where);
+    launch.finish();
+    std::shared_ptr<Event> end = dev.newEvent(cfg.enableTiming && !captured);
+    end->record(stream);
+    if (asyncOp && !cfg.avoidRecordStreams) {
+      // The caller may drop its tensors at once; the allocator must not hand their memory to
+      // the caller's stream before the op's stream is done with it.
+      for (auto& it : items) {
+        for (auto& t : it.keep) {
+          if (t.defined() && t.storage().nbytes() > 0) dev.recordStream(t, stream);
+        }
+      }
+    }
+    // (avoidRecordStreams: each Work holds its tensors until the watchdog sees it finished.)
+    lastDevice = idx;
+    return Issued{std::move(start), std::move(end), stream, slot.comm, captured};
+  } catch (const CommError& e) {
+    failGroup(items, extra, e.what(), e.kind() == CommErrorKind::Timeout);
+    throwDistError(std::string("myccl: ") + e.what());
+  } catch (const std::exception& e) {
+    // Keep the exception's type (OutOfMemoryError, DistBackendError, ...) for the caller.
+    failGroup(items, extra, where + ": could not be issued: " + errorText(e), false);
+    throw;
+  }
+}
+
+void NcclEngine::Impl::publish(const std::vector<Item>& items, const std::vector<NcclWorkPtr>& extra,
+                               const Issued& where) {
+  std::exception_ptr callbackError;
+  auto one = [&](const NcclWorkPtr& w) {
+    try {
+      w->launched(where.start, where.end, where.stream, where.comm, where.captured);
+    } catch (...) {
+      if (!callbackError) callbackError = std::current_exception();  // a callback threw; the op is issued
+    }
+    if (!where.captured) watchdog->track(w);
+  };
+  for (const auto& it : items) one(it.work);
+  for (const auto& w : extra) one(w);
+  if (callbackError) std::rethrow_exception(callbackError);
+}
+
+void NcclEngine::Impl::failGroup(std::vector<Item>& items, const std::vector<NcclWorkPtr>& extra,
+                                 const std::string& why, bool timedOut) {
+  // A failure while issuing surfaces to the caller as an exception: nothing to take down.
+  watchdog->fail(why, timedOut);
+  for (auto& it : items) {
+    if (!it.work->isLaunched()) it.work->fail("myccl: " + why);
+  }
+  for (auto& w : extra) {
+    if (!w->isLaunched()) w->fail("myccl: " + why);
+  }
+}
+
+NcclEngine::WorkPtr NcclEngine::Impl::submit(const OpInfo& info, c10::Device device, bool asyncOp,
+                                             std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                                             std::function<void(Launch&)> prepare, Target target, bool hostSync) {
+  checkOpen(info);
+  if (!timeoutFixed) timeout = info.timeout;
+  auto work = makeWork(info, inputs, outputs, device);
+  if (hostSync) work->setHostSync();
+  Item item{work, concat(std::move(inputs), outputs), std::move(prepare)};
+  {
+    std::lock_guard<std::mutex> lk(coalesceMu);
+    if (coalescing) {
+      MYCCL_CHECK(!deferredDevice || *deferredDevice == device, info.describe(),
+                  ": all CUDA ops of one coalescing block must use one device; this one uses ", device,
+                  ", earlier ones ", *deferredDevice);
+      deferredDevice = device;
+      work->setInBlock();
+      deferred.push_back(std::move(item));
+      return work;
+    }
+  }
+  std::vector<Item> items;
+  items.push_back(std::move(item));
+  std::optional<Issued> issued;
+  {
+    std::lock_guard<std::mutex> lk(issueMu);
+    checkOpen(info);
+    issued.emplace(run(items, device, target, asyncOp, info, {}));
+  }
+  publish(items, {}, *issued);
+  return work;
+}
+
+void NcclEngine::Impl::dropDeferred(const std::string& why) {
+  std::vector<Item> items;
+  {
+    std::lock_guard<std::mutex> lk(coalesceMu);
+    items.swap(deferred);
+    deferredDevice.reset();
+    coalescing = false;
+  }
+  for (auto& it : items) it.work->fail("myccl: " + it.work->info().describe() + ": not issued: " + why);
+}
+
+NcclEngine::WorkPtr NcclEngine::Impl::postSelf(const OpInfo& info, at::Tensor t, int tag, bool isSend) {
+  checkOpen(info);
+  const c10::Device device = dev.deviceOf(t);
+  auto work = makeWork(info, isSend ? std::vector<at::Tensor>{t} : std::vector<at::Tensor>{},
+                       std::vector<at::Tensor>{t}, device);
+  DeviceGuard guard(dev, device.index());
+  auto ready = std::shared_ptr<Event>(dev.newEvent());
+  ready->record(dev.currentStream(device.index()));
+  SelfPost mine{work, t, ready, device.index()};
+  std::optional<SelfPost> other;
+  {
+    std::lock_guard<std::mutex> lk(selfMu);
+    auto& theirs = isSend ? selfRecvs[tag] : selfSends[tag];
+    if (theirs.empty()) {
+      (isSend ? selfSends[tag] : selfRecvs[tag]).push_back(std::move(mine));
+    } else {
+      other = std::move(theirs.front());
+      theirs.pop_front();
+    }
+  }
+  // Until its partner is posted the op is pending: the watchdog bounds that by its timeout.
+  if (!other) {
+    watchdog->start(device.index());
+    watchdog->track(work);
+    return work;
+  }
+  const SelfPost& send = isSend ? mine : *other;
+  const SelfPost& recv = isSend ? *other : mine;
+  if (nbytesOf(send.tensor) != nbytesOf(recv.tensor) || send.tensor.scalar_type() != recv.tensor.scalar_type()) {
+    std::ostringstream os;
+    os << "myccl: " << argWhere(info) << ": a send to self and its receive (tag " << tag << ") differ: sent "
+       << nbytesOf(send.tensor) << " bytes of " << send.tensor.scalar_type() << ", receiving " << nbytesOf(recv.tensor)
+       << " bytes of " << recv.tensor.scalar_type();
+    other->work->fail(os.str());
+    TORCH_CHECK_VALUE(false, os.str());
+  }
+  std::lock_guard<std::mutex> lk(issueMu);
+  if (!selfStream) selfStream = dev.newStream(device.index(), cfg.highPriorityStream);
+  const Stream s = *selfStream;
+  send.ready->block(s);
+  recv.ready->block(s);
+  dev.enqueue(s, [from = send.tensor, to = recv.tensor]() mutable { to.copy_(from.reshape(to.sizes())); });
+  auto end = std::shared_ptr<Event>(dev.newEvent());
+  end->record(s);
+  if (!cfg.avoidRecordStreams) {
+    dev.recordStream(send.tensor, s);
+    dev.recordStream(recv.tensor, s);
+  }
+  watchdog->start(device.index());
+  for (const SelfPost* p : {&send, &recv}) {
+    p->work->launched(nullptr, end, s, nullptr, false);
+    if (p == &mine) watchdog->track(p->work);  // the partner is tracked since it was posted
+  }
+  return work;
+}
+
+// ---- the engine -----------------------------------------------------------------------------
+
+NcclEngine::NcclEngine(c10::intrusive_ptr<c10d::Store> store, std::string keyPrefix, int rank, int size,
+                       std::string group, const Config& cfg, std::chrono::milliseconds timeout, Runtime runtime,
+                       std::shared_ptr<AbortHooks> hooks)
+    : impl_(std::make_unique<Impl>(std::move(store), std::move(keyPrefix), rank, size, std::move(group), cfg, timeout,
+                                   std::move(runtime), std::move(hooks))) {}
 
 NcclEngine::~NcclEngine() {
   if (!impl_->closed) abort("the process group was destroyed without shutdown()");
   impl_->watchdog->stop();
+}
+
+const Runtime& NcclEngine::runtime() const {
+  return impl_->rt;
+}
+
+int NcclEngine::lastDevice() const {
+  return impl_->lastDevice.load();
 }
 
 // ---- coalescing ----------------------------------------------------------------------------
@@ -27,24 +237,19 @@ void NcclEngine::startCoalescing() {
 
 NcclEngine::WorkPtr NcclEngine::endCoalescing(const OpInfo& info) {
   std::vector<Item> items;
-  std::optional<c10::Device> dev;
+  std::optional<c10::Device> device;
   {
     std::lock_guard<std::mutex> lk(impl_->coalesceMu);
     impl_->coalescing = false;
     items.swap(impl_->deferred);
-    dev.swap(impl_->deferredDevice);
+    device.swap(impl_->deferredDevice);
   }
-  if (items.empty()) {
-    // No CUDA op in the block (or the engine was created inside it, after the start): nothing to cover.
-    auto w = c10::make_intrusive<MycclWork>(info, std::vector<at::Tensor>{}, std::vector<at::Tensor>{});
-    w->markDone();
-    return w;
-  }
+  if (items.empty()) return {};  // no CUDA op in the block
   std::vector<at::Tensor> outs;
   for (auto& it : items) {
     for (auto& t : it.work->result()) outs.push_back(t);
   }
-  auto batch = impl_->makeWork(info, {}, outs, *dev);
+  auto batch = impl_->makeWork(info, {}, outs, *device);
   try {
     impl_->checkOpen(info);
   } catch (const std::exception& e) {
@@ -54,7 +259,9 @@ NcclEngine::WorkPtr NcclEngine::endCoalescing(const OpInfo& info) {
   std::optional<Impl::Issued> issued;
   {
     std::lock_guard<std::mutex> lk(impl_->issueMu);
-    issued.emplace(impl_->run(items, *dev, /*asyncOp=*/true, info, {batch}));
+    // A batch (batch_isend_irecv, or collectives) runs on the group's communicator, as torch's
+    // does: its sends and receives may involve any ranks, self included.
+    issued.emplace(impl_->run(items, *device, Target{}, /*asyncOp=*/true, info, {batch}));
   }
   impl_->publish(items, {batch}, *issued);
   return batch;
@@ -63,7 +270,7 @@ NcclEngine::WorkPtr NcclEngine::endCoalescing(const OpInfo& info) {
 // ---- lifecycle -----------------------------------------------------------------------------
 
 void NcclEngine::eagerConnect(at::Device device) {
-  if (!device.has_index()) device = at::Device(at::kCUDA, c10::cuda::current_device());
+  const int idx = device.has_index() ? device.index() : impl_->dev.current();
   OpInfo info;
   info.op = info.name = "eager_connect";
   info.rank = impl_->rank;
@@ -71,9 +278,9 @@ void NcclEngine::eagerConnect(at::Device device) {
   info.timeout = impl_->timeout.load();
   std::lock_guard<std::mutex> lk(impl_->issueMu);
   impl_->checkOpen(info);
-  c10::cuda::CUDAGuard guard(device.index());
   try {
-    impl_->deviceState(device, info.timeout, info.describe());
+    DeviceGuard guard(impl_->dev, idx);
+    impl_->groupSlot(idx, Clock::now() + info.timeout, info.describe());
   } catch (const std::exception& e) {
     impl_->watchdog->fail(info.describe() + ": " + errorText(e), false);
     throw;
@@ -89,7 +296,9 @@ void NcclEngine::abort(const std::string& why) {
   // Deliberately without issueMu: an issuing thread may be the one that is stuck.
   impl_->closed = true;
   impl_->dropDeferred("the group was aborted");
-  impl_->watchdog->fail("rank " + std::to_string(impl_->rank) + ", group '" + impl_->group + "': " + why, false);
+  impl_->abortComms();  // those still being made
+  impl_->watchdog->fail("rank " + std::to_string(impl_->rank) + ", group '" + impl_->group + "': " + why, false,
+                        nullptr, /*userAbort=*/true);
   impl_->watchdog->stop();
 }
 
@@ -103,9 +312,9 @@ void NcclEngine::shutdown() {
     // communicator is finalized (flushed, globally quiescent) and destroyed.
     wd.drain();
     const auto deadline = Clock::now() + impl_->timeout.load();
-    for (auto& [idx, ds] : impl_->devices) {
+    for (auto& [key, slot] : impl_->slots) {
       // false: an error or the deadline (a peer gone or aborted); the communicator was aborted instead.
-      (void)ds->comm->finalize(deadline);
+      (void)slot->comm->finalize(deadline);
     }
   }
   wd.stop();
@@ -118,22 +327,6 @@ bool NcclEngine::failed() const {
 
 bool NcclEngine::timedOut() const {
   return impl_->watchdog->timedOut();
-}
-
-std::string NcclEngine::version() {
-  int v = 0;
-  if (ncclGetVersion(&v) != ncclSuccess) return "unknown";
-  // NCCL_VERSION_CODE is major*10000 + minor*100 + patch since 2.9, major*1000 + minor*100 + patch before.
-  int major, minor, patch;
-  if (v >= 10000) {
-    major = v / 10000;
-    minor = (v % 10000) / 100;
-  } else {
-    major = v / 1000;
-    minor = (v % 1000) / 100;
-  }
-  patch = v % 100;
-  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
 }
 
 }  // namespace myccl::cuda

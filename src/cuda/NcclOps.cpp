@@ -1,27 +1,32 @@
 // What each op launches on the CUDA engine: the NCCL calls of every collective and
 // point-to-point op, with the staging copies that make non-contiguous or mismatched tensors
-// contiguous, expressed against Launch (EngineImpl.hpp).
+// contiguous, expressed against Launch (EngineImpl.hpp). Local copies are staged on the op's
+// stream too, never run on the host.
 #include "EngineImpl.hpp"
 
 namespace myccl::cuda {
+
+namespace {
+constexpr NcclType kBytes = NcclType::Uint8;
+}
 
 // ---- collectives ---------------------------------------------------------------------------
 
 NcclEngine::WorkPtr NcclEngine::broadcast(OpInfo info, at::Tensor t, int root) {
   const bool isRoot = info.rank == root;
-  return impl_->submit(info, t.device(), info.asyncOp, {t}, {t}, [t, root, isRoot](Launch& L) {
+  return impl_->submit(info, impl_->dev.deviceOf(t), info.asyncOp, {t}, {t}, [t, root, isRoot](Launch& L) {
     if (t.numel() == 0) return;
     at::Tensor buf = L.buffer(t, t.scalar_type(), /*copyIn=*/isRoot, /*copyBack=*/!isRoot);
     const size_t n = nbytesOf(buf);
     L.nccl([buf, n, root](const Launch& l) {
-      return ncclBroadcast(buf.data_ptr(), buf.data_ptr(), n, ncclUint8, root, l.comm(), l.stream());
+      return l.api().broadcast(buf.data_ptr(), buf.data_ptr(), n, kBytes, l.peer(root), l.comm(), l.stream());
     });
   });
 }
 
 NcclEngine::WorkPtr NcclEngine::allreduce(OpInfo info, std::vector<at::Tensor> tensors, const Reduction& red) {
   const NcclReduce plan = planReduce(red, argWhere(info));
-  const auto dev = tensors.at(0).device();
+  const auto dev = impl_->dev.deviceOf(tensors.at(0));
   // A list is coalesced: one allreduce per tensor, all in one group.
   return impl_->submit(info, dev, info.asyncOp, tensors, tensors, [tensors, plan](Launch& L) {
     for (const auto& t : tensors) {
@@ -30,7 +35,7 @@ NcclEngine::WorkPtr NcclEngine::allreduce(OpInfo info, std::vector<at::Tensor> t
       const int slot = L.redOp(plan);
       const size_t count = static_cast<size_t>(buf.numel() * plan.perElement);
       L.nccl([buf, count, plan, slot](const Launch& l) {
-        return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), count, plan.type, l.op(slot), l.comm(), l.stream());
+        return l.api().allReduce(buf.data_ptr(), buf.data_ptr(), count, plan.type, l.op(slot), l.comm(), l.stream());
       });
     }
   });
@@ -39,14 +44,15 @@ NcclEngine::WorkPtr NcclEngine::allreduce(OpInfo info, std::vector<at::Tensor> t
 NcclEngine::WorkPtr NcclEngine::reduce(OpInfo info, at::Tensor t, const Reduction& red, int root) {
   const NcclReduce plan = planReduce(red, argWhere(info));
   const bool isRoot = info.rank == root;
-  return impl_->submit(info, t.device(), info.asyncOp, {t}, {t}, [t, plan, root, isRoot](Launch& L) {
+  return impl_->submit(info, impl_->dev.deviceOf(t), info.asyncOp, {t}, {t}, [t, plan, root, isRoot](Launch& L) {
     if (t.numel() == 0) return;
     // Only the root's buffer receives; the others' stay as they were.
     at::Tensor buf = L.buffer(t, plan.stage, true, /*copyBack=*/isRoot);
     const int slot = L.redOp(plan);
     const size_t count = static_cast<size_t>(buf.numel() * plan.perElement);
     L.nccl([buf, count, plan, slot, root](const Launch& l) {
-      return ncclReduce(buf.data_ptr(), buf.data_ptr(), count, plan.type, l.op(slot), root, l.comm(), l.stream());
+      return l.api().reduce(buf.data_ptr(), buf.data_ptr(), count, plan.type, l.op(slot), l.peer(root), l.comm(),
+                            l.stream());
     });
   });
 }
@@ -56,7 +62,7 @@ NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> i
   std::vector<at::Tensor> flatOut;
   for (auto& list : outputs) flatOut.insert(flatOut.end(), list.begin(), list.end());
   const int rank = info.rank;
-  const auto dev = inputs.at(0).device();
+  const auto dev = impl_->dev.deviceOf(inputs.at(0));
   return impl_->submit(info, dev, info.asyncOp, inputs, flatOut, [inputs, outputs, rank](Launch& L) {
     for (size_t k = 0; k < inputs.size(); ++k) {
       const at::Tensor& in = inputs[k];
@@ -71,16 +77,18 @@ NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> i
         if (each == 0) continue;
         const int64_t n = in.numel();
         const bool direct = consecutiveBlocks(outs, each);
-        at::Tensor dst = direct ? outs[0] : at::empty({static_cast<int64_t>(size) * n}, in.options());
+        at::Tensor dst = direct ? outs[0] : L.scratch({static_cast<int64_t>(size) * n}, in.scalar_type());
         void* dstPtr = dst.data_ptr();
         at::Tensor src = L.buffer(in, in.scalar_type(), true, false);
         // In place (the input is this rank's block) is fine for NCCL; any other overlap is not.
         if (src.data_ptr() != static_cast<char*>(dstPtr) + rank * each &&
             overlaps(src.data_ptr(), each, dstPtr, size * each)) {
-          src = src.clone(at::MemoryFormat::Contiguous);
+          at::Tensor copy = L.scratch(src.sizes(), src.scalar_type());
+          L.stage([copy, src]() mutable { copy.copy_(src); });
+          src = copy;
         }
         L.nccl([src, dst, dstPtr, each](const Launch& l) {
-          return ncclAllGather(src.data_ptr(), dstPtr, each, ncclUint8, l.comm(), l.stream());
+          return l.api().allGather(src.data_ptr(), dstPtr, each, kBytes, l.comm(), l.stream());
         });
         if (!direct) {
           L.after([dst, outs, n]() {
@@ -99,7 +107,7 @@ NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> i
           at::Tensor from = static_cast<int>(r) == rank ? src : dst;  // sendbuff is only read on the root
           const int root = static_cast<int>(r);
           L.nccl([from, dst, n, root](const Launch& l) {
-            return ncclBroadcast(from.data_ptr(), dst.data_ptr(), n, ncclUint8, root, l.comm(), l.stream());
+            return l.api().broadcast(from.data_ptr(), dst.data_ptr(), n, kBytes, root, l.comm(), l.stream());
           });
         }
       }
@@ -109,44 +117,56 @@ NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> i
 
 NcclEngine::WorkPtr NcclEngine::gather(OpInfo info, at::Tensor input, std::vector<at::Tensor> outputs, int root) {
   const int rank = info.rank;
-  return impl_->submit(info, input.device(), info.asyncOp, {input}, outputs, [input, outputs, root, rank](Launch& L) {
-    if (rank != root) {
-      const size_t n = nbytesOf(input);
-      if (n == 0) return;
-      at::Tensor src = L.buffer(input, input.scalar_type(), true, false);
-      L.nccl([src, n, root](const Launch& l) { return ncclSend(src.data_ptr(), n, ncclUint8, root, l.comm(), l.stream()); });
-      return;
-    }
-    for (size_t r = 0; r < outputs.size(); ++r) {
-      const size_t n = nbytesOf(outputs[r]);
-      if (static_cast<int>(r) == root || n == 0) continue;
-      at::Tensor dst = L.buffer(outputs[r], outputs[r].scalar_type(), false, true);
-      const int peer = static_cast<int>(r);
-      L.nccl([dst, n, peer](const Launch& l) { return ncclRecv(dst.data_ptr(), n, ncclUint8, peer, l.comm(), l.stream()); });
-    }
-    if (input.numel() > 0) outputs[root].copy_(input);  // own block: a local copy on the stream
-  });
+  return impl_->submit(
+      info, impl_->dev.deviceOf(input), info.asyncOp, {input}, outputs, [input, outputs, root, rank](Launch& L) {
+        if (rank != root) {
+          const size_t n = nbytesOf(input);
+          if (n == 0) return;
+          at::Tensor src = L.buffer(input, input.scalar_type(), true, false);
+          L.nccl([src, n, root](const Launch& l) {
+            return l.api().send(src.data_ptr(), n, kBytes, root, l.comm(), l.stream());
+          });
+          return;
+        }
+        for (size_t r = 0; r < outputs.size(); ++r) {
+          const size_t n = nbytesOf(outputs[r]);
+          if (static_cast<int>(r) == root || n == 0) continue;
+          at::Tensor dst = L.buffer(outputs[r], outputs[r].scalar_type(), false, true);
+          const int peer = static_cast<int>(r);
+          L.nccl([dst, n, peer](const Launch& l) {
+            return l.api().recv(dst.data_ptr(), n, kBytes, peer, l.comm(), l.stream());
+          });
+        }
+        if (input.numel() > 0) {
+          L.stage([own = outputs[root], input]() mutable { own.copy_(input); });  // own block: a local copy
+        }
+      });
 }
 
 NcclEngine::WorkPtr NcclEngine::scatter(OpInfo info, std::vector<at::Tensor> inputs, at::Tensor output, int root) {
   const int rank = info.rank;
-  return impl_->submit(info, output.device(), info.asyncOp, inputs, {output}, [inputs, output, root, rank](Launch& L) {
-    if (rank != root) {
-      const size_t n = nbytesOf(output);
-      if (n == 0) return;
-      at::Tensor dst = L.buffer(output, output.scalar_type(), false, true);
-      L.nccl([dst, n, root](const Launch& l) { return ncclRecv(dst.data_ptr(), n, ncclUint8, root, l.comm(), l.stream()); });
-      return;
-    }
-    for (size_t r = 0; r < inputs.size(); ++r) {
-      const size_t n = nbytesOf(inputs[r]);
-      if (static_cast<int>(r) == root || n == 0) continue;
-      at::Tensor src = L.buffer(inputs[r], inputs[r].scalar_type(), true, false);
-      const int peer = static_cast<int>(r);
-      L.nccl([src, n, peer](const Launch& l) { return ncclSend(src.data_ptr(), n, ncclUint8, peer, l.comm(), l.stream()); });
-    }
-    if (output.numel() > 0) output.copy_(inputs[root]);
-  });
+  return impl_->submit(
+      info, impl_->dev.deviceOf(output), info.asyncOp, inputs, {output}, [inputs, output, root, rank](Launch& L) {
+        if (rank != root) {
+          const size_t n = nbytesOf(output);
+          if (n == 0) return;
+          at::Tensor dst = L.buffer(output, output.scalar_type(), false, true);
+          L.nccl([dst, n, root](const Launch& l) {
+            return l.api().recv(dst.data_ptr(), n, kBytes, root, l.comm(), l.stream());
+          });
+          return;
+        }
+        for (size_t r = 0; r < inputs.size(); ++r) {
+          const size_t n = nbytesOf(inputs[r]);
+          if (static_cast<int>(r) == root || n == 0) continue;
+          at::Tensor src = L.buffer(inputs[r], inputs[r].scalar_type(), true, false);
+          const int peer = static_cast<int>(r);
+          L.nccl([src, n, peer](const Launch& l) {
+            return l.api().send(src.data_ptr(), n, kBytes, peer, l.comm(), l.stream());
+          });
+        }
+        if (output.numel() > 0) L.stage([output, own = inputs[root]]() mutable { output.copy_(own); });
+      });
 }
 
 NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vector<at::Tensor>> inputs,
@@ -156,7 +176,7 @@ NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vect
   std::vector<at::Tensor> flatIn;
   for (auto& list : inputs) flatIn.insert(flatIn.end(), list.begin(), list.end());
   const int rank = info.rank;
-  const auto dev = outputs.at(0).device();
+  const auto dev = impl_->dev.deviceOf(outputs.at(0));
   return impl_->submit(info, dev, info.asyncOp, flatIn, outputs, [inputs, outputs, plan, rank](Launch& L) {
     for (size_t k = 0; k < outputs.size(); ++k) {
       const auto& ins = inputs[k];
@@ -172,23 +192,25 @@ NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vect
         if (ins.at(0).scalar_type() == plan.stage && consecutiveBlocks(ins, each)) {
           src = ins[0];  // the blocks already form one flat input
         } else {
-          src = at::empty({static_cast<int64_t>(ins.size()) * n}, out.options().dtype(plan.stage));
-          for (size_t r = 0; r < ins.size(); ++r) {
-            src.narrow(0, static_cast<int64_t>(r) * n, n).view(ins[r].sizes()).copy_(ins[r]);
-          }
+          src = L.scratch({static_cast<int64_t>(ins.size()) * n}, plan.stage);
+          L.stage([src, ins, n]() mutable {
+            for (size_t r = 0; r < ins.size(); ++r) {
+              src.narrow(0, static_cast<int64_t>(r) * n, n).view(ins[r].sizes()).copy_(ins[r]);
+            }
+          });
         }
         void* srcPtr = src.data_ptr();
         at::Tensor dst = L.buffer(out, plan.stage, false, true);
         // In place (the output is this rank's block of the input) is fine; other overlap is not.
         if (dst.data_ptr() != static_cast<char*>(srcPtr) + rank * each &&
             overlaps(dst.data_ptr(), each, srcPtr, ins.size() * each)) {
-          at::Tensor fresh = at::empty(out.sizes(), out.options().dtype(plan.stage).memory_format(at::MemoryFormat::Contiguous));
+          at::Tensor fresh = L.scratch(out.sizes(), plan.stage);
           L.after([out, fresh]() mutable { out.copy_(fresh); });
           dst = fresh;
         }
         const size_t count = static_cast<size_t>(n * plan.perElement);
         L.nccl([src, srcPtr, dst, count, plan, slot](const Launch& l) {
-          return ncclReduceScatter(srcPtr, dst.data_ptr(), count, plan.type, l.op(slot), l.comm(), l.stream());
+          return l.api().reduceScatter(srcPtr, dst.data_ptr(), count, plan.type, l.op(slot), l.comm(), l.stream());
         });
       } else {
         // Uneven blocks: one reduce per rank, rooted at the rank that keeps that block.
@@ -200,7 +222,8 @@ NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vect
           const size_t count = static_cast<size_t>(m * plan.perElement);
           const int root = static_cast<int>(r);
           L.nccl([src, dst, count, plan, slot, root](const Launch& l) {
-            return ncclReduce(src.data_ptr(), dst.data_ptr(), count, plan.type, l.op(slot), root, l.comm(), l.stream());
+            return l.api().reduce(src.data_ptr(), dst.data_ptr(), count, plan.type, l.op(slot), root, l.comm(),
+                                  l.stream());
           });
         }
       }
@@ -211,12 +234,14 @@ NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vect
 NcclEngine::WorkPtr NcclEngine::alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> /*userInputs*/) {
   const int rank = info.rank;
-  const auto dev = inputs.at(0).device();
+  const auto dev = impl_->dev.deviceOf(inputs.at(0));
   return impl_->submit(info, dev, info.asyncOp, inputs, outputs, [inputs, outputs, rank](Launch& L) {
     for (size_t r = 0; r < inputs.size(); ++r) {
       const int peer = static_cast<int>(r);
       if (peer == rank) {
-        if (inputs[r].numel() > 0) outputs[r].copy_(inputs[r].reshape(outputs[r].sizes()));
+        if (inputs[r].numel() > 0) {
+          L.stage([out = outputs[r], in = inputs[r]]() mutable { out.copy_(in.reshape(out.sizes())); });
+        }
         continue;
       }
       // Sizes may differ per peer; each pair agrees on its own (what I send is what it expects).
@@ -224,13 +249,13 @@ NcclEngine::WorkPtr NcclEngine::alltoall(OpInfo info, std::vector<at::Tensor> in
       if (sendBytes > 0) {
         at::Tensor src = L.buffer(inputs[r], inputs[r].scalar_type(), true, false);
         L.nccl([src, sendBytes, peer](const Launch& l) {
-          return ncclSend(src.data_ptr(), sendBytes, ncclUint8, peer, l.comm(), l.stream());
+          return l.api().send(src.data_ptr(), sendBytes, kBytes, peer, l.comm(), l.stream());
         });
       }
       if (recvBytes > 0) {
         at::Tensor dst = L.buffer(outputs[r], outputs[r].scalar_type(), false, true);
         L.nccl([dst, recvBytes, peer](const Launch& l) {
-          return ncclRecv(dst.data_ptr(), recvBytes, ncclUint8, peer, l.comm(), l.stream());
+          return l.api().recv(dst.data_ptr(), recvBytes, kBytes, peer, l.comm(), l.stream());
         });
       }
     }
@@ -238,41 +263,54 @@ NcclEngine::WorkPtr NcclEngine::alltoall(OpInfo info, std::vector<at::Tensor> in
 }
 
 NcclEngine::WorkPtr NcclEngine::barrier(OpInfo info, at::Device device) {
-  if (!device.has_index()) device = at::Device(at::kCUDA, c10::cuda::current_device());
+  const int idx = device.has_index() ? device.index() : impl_->dev.current();
+  DeviceGuard guard(impl_->dev, idx);
   // One element through the communicator: every rank's kernel must meet every other's.
-  at::Tensor token = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  at::Tensor token = at::zeros({1}, impl_->dev.tensorOptions(idx).dtype(at::kFloat));
   Reduction sum;
   NcclReduce plan = planReduce(sum, argWhere(info));
   return impl_->submit(
-      info, device, /*asyncOp=*/true, {}, {token},
+      info, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(idx)), /*asyncOp=*/true, {}, {token},
       [token, plan](Launch& L) {
         const int slot = L.redOp(plan);
         L.nccl([token, plan, slot](const Launch& l) {
-          return ncclAllReduce(token.data_ptr(), token.data_ptr(), 1, plan.type, l.op(slot), l.comm(), l.stream());
+          return l.api().allReduce(token.data_ptr(), token.data_ptr(), 1, plan.type, l.op(slot), l.comm(), l.stream());
         });
       },
-      /*hostSync=*/true);
+      Target{}, /*hostSync=*/true);
 }
 
 // ---- point-to-point ------------------------------------------------------------------------
 
-NcclEngine::WorkPtr NcclEngine::send(OpInfo info, at::Tensor t, int peer, int /*tag*/) {
-  // Point-to-point always runs on the NCCL stream: a send must not serialise the caller's stream.
-  return impl_->submit(info, t.device(), /*asyncOp=*/true, {t}, {t}, [t, peer](Launch& L) {
-    const size_t n = nbytesOf(t);
-    if (n == 0) return;
-    at::Tensor src = L.buffer(t, t.scalar_type(), true, false);
-    L.nccl([src, n, peer](const Launch& l) { return ncclSend(src.data_ptr(), n, ncclUint8, peer, l.comm(), l.stream()); });
-  });
+NcclEngine::WorkPtr NcclEngine::send(OpInfo info, at::Tensor t, int peer, int tag) {
+  if (peer == info.rank && !impl_->isCoalescing()) return impl_->postSelf(info, t, tag, /*isSend=*/true);
+  // Point-to-point always runs on its pair's stream: a send must not serialise the caller's stream.
+  return impl_->submit(
+      info, impl_->dev.deviceOf(t), /*asyncOp=*/true, {t}, {t},
+      [t, peer](Launch& L) {
+        const size_t n = nbytesOf(t);
+        if (n == 0) return;
+        at::Tensor src = L.buffer(t, t.scalar_type(), true, false);
+        L.nccl([src, n, peer](const Launch& l) {
+          return l.api().send(src.data_ptr(), n, kBytes, l.peer(peer), l.comm(), l.stream());
+        });
+      },
+      Target{Target::Pair, peer});
 }
 
-NcclEngine::WorkPtr NcclEngine::recv(OpInfo info, at::Tensor t, int peer, int /*tag*/) {
-  return impl_->submit(info, t.device(), /*asyncOp=*/true, {}, {t}, [t, peer](Launch& L) {
-    const size_t n = nbytesOf(t);
-    if (n == 0) return;
-    at::Tensor dst = L.buffer(t, t.scalar_type(), false, true);
-    L.nccl([dst, n, peer](const Launch& l) { return ncclRecv(dst.data_ptr(), n, ncclUint8, peer, l.comm(), l.stream()); });
-  });
+NcclEngine::WorkPtr NcclEngine::recv(OpInfo info, at::Tensor t, int peer, int tag) {
+  if (peer == info.rank && !impl_->isCoalescing()) return impl_->postSelf(info, t, tag, /*isSend=*/false);
+  return impl_->submit(
+      info, impl_->dev.deviceOf(t), /*asyncOp=*/true, {}, {t},
+      [t, peer](Launch& L) {
+        const size_t n = nbytesOf(t);
+        if (n == 0) return;
+        at::Tensor dst = L.buffer(t, t.scalar_type(), false, true);
+        L.nccl([dst, n, peer](const Launch& l) {
+          return l.api().recv(dst.data_ptr(), n, kBytes, l.peer(peer), l.comm(), l.stream());
+        });
+      },
+      Target{Target::Pair, peer});
 }
 
 }  // namespace myccl::cuda

@@ -18,22 +18,22 @@ NcclReduce planReduce(const Reduction& red, const std::string& where) {
   MYCCL_CHECK_ARG(op != RedOp::BAnd && op != RedOp::BOr && op != RedOp::BXor, where, ": ReduceOp.", redOpName(op),
                   " is not supported for CUDA tensors (NCCL has no bitwise reductions); dtype ", dtypeName(dt));
   switch (dt) {
-    case DType::F32: p.type = ncclFloat32; p.stage = at::kFloat; break;
-    case DType::F64: p.type = ncclFloat64; p.stage = at::kDouble; break;
-    case DType::F16: p.type = ncclFloat16; p.stage = at::kHalf; break;
-    case DType::BF16: p.type = ncclBfloat16; p.stage = at::kBFloat16; break;
-    case DType::I8: p.type = ncclInt8; p.stage = at::kChar; break;
-    case DType::U8: p.type = ncclUint8; p.stage = at::kByte; break;
+    case DType::F32: p.type = NcclType::Float32; p.stage = at::kFloat; break;
+    case DType::F64: p.type = NcclType::Float64; p.stage = at::kDouble; break;
+    case DType::F16: p.type = NcclType::Float16; p.stage = at::kHalf; break;
+    case DType::BF16: p.type = NcclType::BFloat16; p.stage = at::kBFloat16; break;
+    case DType::I8: p.type = NcclType::Int8; p.stage = at::kChar; break;
+    case DType::U8: p.type = NcclType::Uint8; p.stage = at::kByte; break;
     // NCCL has no 16-bit integer type: reduce in int32 and narrow back. SUM/PROD wrap the same
     // way modulo 2^16; MIN/MAX are exact.
-    case DType::I16: p.type = ncclInt32; p.stage = at::kInt; break;
-    case DType::I32: p.type = ncclInt32; p.stage = at::kInt; break;
-    case DType::I64: p.type = ncclInt64; p.stage = at::kLong; break;
-    case DType::Bool: p.type = ncclUint8; p.stage = at::kBool; break;
+    case DType::I16: p.type = NcclType::Int32; p.stage = at::kInt; break;
+    case DType::I32: p.type = NcclType::Int32; p.stage = at::kInt; break;
+    case DType::I64: p.type = NcclType::Int64; p.stage = at::kLong; break;
+    case DType::Bool: p.type = NcclType::Uint8; p.stage = at::kBool; break;
     // Complex sums (and averages, and sums of scaled values) are sums of real and imaginary
     // parts taken separately: reduce the interleaved reals.
-    case DType::C64: p.type = ncclFloat32; p.stage = at::kComplexFloat; p.perElement = 2; break;
-    case DType::C128: p.type = ncclFloat64; p.stage = at::kComplexDouble; p.perElement = 2; break;
+    case DType::C64: p.type = NcclType::Float32; p.stage = at::kComplexFloat; p.perElement = 2; break;
+    case DType::C128: p.type = NcclType::Float64; p.stage = at::kComplexDouble; p.perElement = 2; break;
   }
   if (isComplex(dt)) {
     MYCCL_CHECK_ARG(op == RedOp::Sum, where, ": ReduceOp.", (op == RedOp::Prod ? "PRODUCT" : redOpName(op)),
@@ -42,38 +42,58 @@ NcclReduce planReduce(const Reduction& red, const std::string& where) {
   }
   if (dt == DType::Bool) {
     // Bytes 0/1: logical or is the maximum, logical and the minimum.
-    p.op = (op == RedOp::Sum || op == RedOp::Max) ? ncclMax : ncclMin;
+    p.op = (op == RedOp::Sum || op == RedOp::Max) ? kNcclMax : kNcclMin;
     return p;
   }
   switch (op) {
-    case RedOp::Sum: p.op = red.spec.divisor != 0 ? ncclAvg : ncclSum; break;
-    case RedOp::Prod: p.op = ncclProd; break;
-    case RedOp::Min: p.op = ncclMin; break;
-    case RedOp::Max: p.op = ncclMax; break;
+    case RedOp::Sum: p.op = red.spec.divisor != 0 ? kNcclAvg : kNcclSum; break;
+    case RedOp::Prod: p.op = kNcclProd; break;
+    case RedOp::Min: p.op = kNcclMin; break;
+    case RedOp::Max: p.op = kNcclMax; break;
     default: break;
   }
   if (red.premul) {
-    MYCCL_CHECK_ARG(p.type == ncclFloat32 || p.type == ncclFloat64 || p.type == ncclFloat16 || p.type == ncclBfloat16,
+    MYCCL_CHECK_ARG(p.type == NcclType::Float32 || p.type == NcclType::Float64 || p.type == NcclType::Float16 ||
+                        p.type == NcclType::BFloat16,
                     where, ": ReduceOp.PREMUL_SUM needs a floating point or complex dtype, got ", dtypeName(dt));
     p.premul = true;
     p.factor = red.factor;
+    p.factorTensor = red.factorTensor;
   }
   return p;
 }
 
-void premulScalar(ncclDataType_t type, double factor, void* out) {
+at::ScalarType scalarTypeOf(NcclType type) {
   switch (type) {
-    case ncclFloat64: {
+    case NcclType::Int8: return at::kChar;
+    case NcclType::Uint8: return at::kByte;
+    case NcclType::Int32: return at::kInt;
+    case NcclType::Uint32: return at::kUInt32;
+    case NcclType::Int64: return at::kLong;
+    case NcclType::Uint64: return at::kUInt64;
+    case NcclType::Float16: return at::kHalf;
+    case NcclType::Float32: return at::kFloat;
+    case NcclType::Float64: return at::kDouble;
+    case NcclType::BFloat16: return at::kBFloat16;
+    case NcclType::Float8e4m3: return at::kFloat8_e4m3fn;
+    case NcclType::Float8e5m2: return at::kFloat8_e5m2;
+  }
+  return at::kByte;
+}
+
+void premulScalar(NcclType type, double factor, void* out) {
+  switch (type) {
+    case NcclType::Float64: {
       double v = factor;
       std::memcpy(out, &v, sizeof v);
       break;
     }
-    case ncclFloat16: {
+    case NcclType::Float16: {
       c10::Half v(static_cast<float>(factor));
       std::memcpy(out, &v.x, sizeof v.x);
       break;
     }
-    case ncclBfloat16: {
+    case NcclType::BFloat16: {
       c10::BFloat16 v(static_cast<float>(factor));
       std::memcpy(out, &v.x, sizeof v.x);
       break;

@@ -1,58 +1,66 @@
-// NcclWork: completion by CUDA event. Stream-ordered wait by default, host-blocking wait with
-// a deadline when asked (blockingWait, an explicit timeout, barrier); never any event query or
-// host synchronisation while the caller's stream is being captured into a CUDA graph.
+// NcclWork: completion by device event. Stream-ordered wait by default, host-blocking wait
+// with a deadline when asked (blockingWait, an explicit timeout, barrier) or when the caller is
+// not stream-ordered (the double); never any event query or host synchronisation while the
+// caller's stream is being captured into a CUDA graph.
 #include "myccl/cuda/NcclWork.hpp"
 
 #include <ATen/core/ivalue.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <thread>
 
 #include "myccl/Errors.hpp"
-#include "myccl/cuda/CudaEvent.hpp"
 #include "myccl/cuda/NcclComm.hpp"
 #include "myccl/cuda/Watchdog.hpp"
 
 namespace myccl::cuda {
 
-namespace {
-
-bool currentStreamCapturing(c10::DeviceIndex device) {
-  return isCapturing(c10::cuda::getCurrentCUDAStream(device));
-}
-
-}  // namespace
-
 NcclWork::NcclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs, c10::Device device,
-                   std::weak_ptr<Watchdog> watchdog, bool blockingWait)
+                   std::shared_ptr<Device> dev, std::weak_ptr<Watchdog> watchdog, bool blockingWait)
     : MycclWork(std::move(info), std::move(inputs), std::move(outputs)),
       device_(device),
+      dev_(std::move(dev)),
       watchdog_(std::move(watchdog)),
-      blockingWait_(blockingWait) {
-  // CUDA-aware: value() and then() callbacks wait for the op on the consumer's current stream
-  // (through events the future records when completed), which is what DDP comm hooks rely on.
-  future_ = c10::make_intrusive<c10::ivalue::Future>(tensorListType(),
-                                                     std::vector<c10::Device>{device});
+      blockingWait_(blockingWait),
+      streamOrdered_(dev_->streamOrdered()) {
+  setDeadline(std::chrono::steady_clock::now() + info_.timeout);
+  if (streamOrdered_) {
+    // CUDA-aware: value() and then() callbacks wait for the op on the consumer's current stream
+    // (through events the future records when completed), which is what DDP comm hooks rely on.
+    future_ = c10::make_intrusive<c10::ivalue::Future>(tensorListType(), std::vector<c10::Device>{device});
+  }
 }
 
 NcclWork::~NcclWork() = default;
 
-void NcclWork::launched(std::shared_ptr<c10::cuda::CUDAEvent> end, const c10::cuda::CUDAStream& stream,
+void NcclWork::launched(std::shared_ptr<Event> start, std::shared_ptr<Event> end, const Stream& stream,
                         std::shared_ptr<NcclComm> comm, bool captured) {
+  start_ = std::move(start);
   end_ = std::move(end);
   comm_ = std::move(comm);
   captured_ = captured;
-  deadline_ = std::chrono::steady_clock::now() + info_.timeout;
+  setDeadline(std::chrono::steady_clock::now() + info_.timeout);
   markStarted();
   launched_.store(true, std::memory_order_release);
-  // Completed now, not when the GPU is done: the future's events are recorded on `stream`, so
-  // whoever consumes the value is ordered after the op without blocking any host thread.
-  c10::cuda::CUDAStreamGuard guard(stream);
-  future_->markCompleted(c10::IValue(outputs_));
+  if (streamOrdered_) {
+    // Completed now, not when the device is done: the future's events are recorded on `stream`,
+    // so whoever consumes the value is ordered after the op without blocking any host thread.
+    const Stream prev = dev_->currentStream(device_.index());
+    dev_->setCurrentStream(stream);
+    try {
+      future_->markCompleted(c10::IValue(outputs_));
+    } catch (...) {
+      dev_->setCurrentStream(prev);
+      throw;
+    }
+    dev_->setCurrentStream(prev);
+  }
 }
 
 void NcclWork::settleFuture(std::exception_ptr error) {
+  if (!streamOrdered_) {
+    MycclWork::settleFuture(error);
+    return;
+  }
   // Normally completed by launched(); only a Work that never launched (a coalesced op whose
   // batch failed to start) still has an open future.
   if (error && !future_->completed()) future_->setError(error);
@@ -66,8 +74,8 @@ bool NcclWork::gpuFinished() const {
 bool NcclWork::succeed() {
   if (isDone()) return true;
   if (comm_) {
-    ncclResult_t r = comm_->asyncError();
-    if (r != ncclSuccess && r != ncclInProgress) return false;  // results unreliable; the watchdog reports it
+    NcclResult r = comm_->asyncError();
+    if (r != NcclResult::Success && r != NcclResult::InProgress) return false;  // the watchdog reports it
   }
   markDone();
   return true;
@@ -94,9 +102,9 @@ void NcclWork::rethrowIfFailed() {
   if (e) std::rethrow_exception(e);
 }
 
-void NcclWork::reportCudaError(const std::exception& e) {
+void NcclWork::reportDeviceError(const std::exception& e) {
   auto* ce = dynamic_cast<const c10::Error*>(&e);
-  std::string why = info_.describe() + ": CUDA error while checking whether the op finished on " + device_.str() +
+  std::string why = info_.describe() + ": device error while checking whether the op finished on " + device_.str() +
                     ": " + (ce ? ce->what_without_backtrace() : e.what());
   if (auto wd = watchdog_.lock()) {
     wd->fail(why, false, this);
@@ -106,47 +114,54 @@ void NcclWork::reportCudaError(const std::exception& e) {
 }
 
 bool NcclWork::isCompleted() {
-  if (!isDone() && isLaunched() && !captured_ && !currentStreamCapturing(device_.index())) {
+  if (!isDone() && isLaunched() && !captured_ && !dev_->isCapturing(dev_->currentStream(device_.index()))) {
     try {
       if (gpuFinished()) succeed();
     } catch (const std::exception& e) {
-      reportCudaError(e);
+      reportDeviceError(e);
     }
   }
   return MycclWork::isCompleted();
 }
 
 void NcclWork::blockCurrentStreamOnEnd() {
-  end_->block(c10::cuda::getCurrentCUDAStream(device_.index()));
+  end_->block(dev_->currentStream(device_.index()));
 }
 
-void NcclWork::waitOnHost(std::chrono::steady_clock::time_point deadline, bool opDeadline,
+void NcclWork::waitOnHost(std::chrono::steady_clock::time_point deadline, bool userLimit,
                           std::chrono::milliseconds limit) {
+  auto wd = watchdog_.lock();
+  // Who declares the op's own timeout: this waiter under blocking wait (torch's semantics: the
+  // error surfaces here, in the caller's thread) or when no watchdog runs; otherwise the watchdog,
+  // whose verdict (an error here, or the process taken down) this waits for.
+  const bool ownTimeout = blockingWait_ || !wd || !wd->running();
   int spins = 0;
   while (!isDone()) {
     bool finished = false;
     try {
       finished = gpuFinished();
     } catch (const std::exception& e) {
-      reportCudaError(e);
+      reportDeviceError(e);
       break;
     }
     // Finished with an NCCL error pending: not a success; the watchdog fails the group within a
     // tick (and the deadline below still bounds the wait).
     if (finished && succeed()) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      if (!opDeadline) {
+      if (userLimit) {
         throwDistError("myccl: " + info_.describe() + ": Timed out in wait() after " + std::to_string(limit.count()) +
                        " ms; the operation is still in progress");
       }
-      // The op's own timeout: the same verdict the watchdog would reach, reached here first.
-      std::string why = timeoutReason(info_, device_.index());
-      if (auto wd = watchdog_.lock()) {
-        wd->fail(why, true, this);
-      } else {
-        fail("myccl: " + why);
+      if (ownTimeout) {
+        std::string why = timeoutReason(info_, device_.index());
+        if (wd) {
+          wd->fail(why, true, this);
+        } else {
+          fail("myccl: " + why);
+        }
+        break;
       }
-      break;
+      // The watchdog is about to decide (it polls every few ms); keep waiting for it.
     }
     if (++spins < 100) {
       std::this_thread::yield();
@@ -157,19 +172,21 @@ void NcclWork::waitOnHost(std::chrono::steady_clock::time_point deadline, bool o
 }
 
 bool NcclWork::wait(std::chrono::milliseconds timeout) {
-  if (!isLaunched()) {
-    rethrowIfFailed();
-    MYCCL_CHECK(false, info_.describe(),
-                ": wait() on an op that is not issued yet: it belongs to a coalescing block that has not ended; wait "
-                "on the Work that end_coalescing returns");
-  }
   rethrowIfFailed();
   const bool userTimeout = timeout != kNoTimeout;
+  if (!isLaunched()) {
+    // An op inside an open coalescing block is issued with the block: as with torch's NCCL
+    // backend, waiting on it there returns at once, and the block's own Work is what covers it.
+    if (inBlock_) return true;
+    // Posted but waiting for its partner (a send to self): wait for both to have run.
+    waitOnHost(userTimeout ? std::chrono::steady_clock::now() + timeout : deadline(), userTimeout, timeout);
+    rethrowIfFailed();
+  }
   // Host blocking is impossible inside a capture (and the event is a graph node, not a fact).
-  const bool capturing = captured_ || currentStreamCapturing(device_.index());
-  if (!capturing && (blockingWait_ || hostSync_ || userTimeout)) {
-    const auto deadline = userTimeout ? std::chrono::steady_clock::now() + timeout : deadline_;
-    waitOnHost(deadline, !userTimeout, timeout);
+  const bool capturing = captured_ || dev_->isCapturing(dev_->currentStream(device_.index()));
+  if (!capturing && (!streamOrdered_ || blockingWait_ || hostSync_ || userTimeout)) {
+    const auto deadline = userTimeout ? std::chrono::steady_clock::now() + timeout : this->deadline();
+    waitOnHost(deadline, userTimeout, timeout);
     rethrowIfFailed();
   }
   // Everything the caller enqueues from now on runs after the op.
@@ -185,10 +202,16 @@ void NcclWork::abort() {
   // The op's kernels may wait forever for peers: only aborting the communicator stops them.
   std::string why = info_.describe() + ": aborted by Work.abort()";
   if (auto wd = watchdog_.lock()) {
-    wd->fail(why, false, this);
+    wd->fail(why, false, this, /*userAbort=*/true);
   } else {
     fail("myccl: " + why);
   }
+}
+
+float NcclWork::getDuration() const {
+  // With timing events (MYCCL_ENABLE_TIMING), the op's time on the device.
+  if (start_ && end_ && isDone() && !captured_) return start_->elapsedMs(*end_);
+  return MycclWork::getDuration();
 }
 
 }  // namespace myccl::cuda

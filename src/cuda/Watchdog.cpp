@@ -1,14 +1,16 @@
-// Watchdog: polls outstanding NCCL Works and communicators every few milliseconds, completes
-// finished Works, and turns a timeout or an asynchronous NCCL error into an aborted group
-// whose every outstanding and later op raises a DistBackendError naming the op.
+// Watchdog: polls outstanding CUDA Works and communicators every few milliseconds, completes
+// finished Works, and turns a timeout or an asynchronous NCCL error into a failed group, and
+// by default (torch's async error handling) into a process that is taken down.
 #include "myccl/cuda/Watchdog.hpp"
 
-#include <cuda_runtime_api.h>
-
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
 #include <sstream>
 
 #include "myccl/Errors.hpp"
+#include "myccl/Log.hpp"
 #include "myccl/Threads.hpp"
 #include "myccl/cuda/NcclComm.hpp"
 #include "myccl/cuda/NcclWork.hpp"
@@ -17,28 +19,34 @@ namespace myccl::cuda {
 
 namespace {
 // Short enough that a finished op is seen promptly by isCompleted-less users, long enough to
-// cost nothing measurable (one cudaEventQuery per outstanding op per tick).
-constexpr auto kPollInterval = std::chrono::milliseconds(20);
+// cost nothing measurable (one event query per outstanding op per tick).
+constexpr auto kPollInterval = std::chrono::milliseconds(10);
+
+std::string errorText(const std::exception& e) {
+  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+  return e.what();
+}
 }  // namespace
 
 std::string timeoutReason(const OpInfo& info, int device) {
   std::ostringstream os;
   os << info.describe() << ": Timed out after " << info.timeout.count() << " ms: the op did not finish on cuda:"
-     << device << ", so the NCCL communicator was aborted. A peer has probably not reached this op (it may be "
-     << "stuck, dead, or calling a different op)";
+     << device << ". A peer has probably not reached this op (it may be stuck, dead, or calling a different op)";
   return os.str();
 }
 
-Watchdog::Watchdog(int rank, std::string group) : rank_(rank), group_(std::move(group)) {}
+Watchdog::Watchdog(int rank, std::string group, std::shared_ptr<Device> device, WatchdogPolicy policy)
+    : rank_(rank), group_(std::move(group)), device_(std::move(device)), policy_(std::move(policy)) {}
 
 Watchdog::~Watchdog() {
   stop();
 }
 
-void Watchdog::start() {
+void Watchdog::start(int device) {
   std::lock_guard<std::mutex> lk(mu_);
   if (thread_.joinable() || stop_) return;
-  thread_ = std::thread([this] { loop(); });
+  running_ = true;
+  thread_ = std::thread([this, device] { loop(device); });
 }
 
 void Watchdog::stop() {
@@ -48,6 +56,7 @@ void Watchdog::stop() {
   }
   cv_.notify_all();
   joinOrDetach(thread_);
+  running_ = false;
 }
 
 void Watchdog::addComm(std::shared_ptr<NcclComm> comm) {
@@ -69,12 +78,14 @@ void Watchdog::track(c10::intrusive_ptr<NcclWork> work) {
   work->fail("myccl: " + work->info().describe() + ": not completed: the group failed: " + failure);
 }
 
-void Watchdog::loop() {
-  // A global-mode CUDA graph capture in another thread forbids "unsafe" calls such as
-  // cudaEventQuery process-wide, and one such call invalidates the capture. Relaxed mode
-  // exempts this thread; it never touches captured work anyway.
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  (void)cudaThreadExchangeStreamCaptureMode(&mode);
+void Watchdog::loop(int device) {
+  // The device first: any device call on a thread that selected none makes a context on device
+  // 0 (half a GiB there for every rank) and fails on GPUs in exclusive-process mode.
+  device_->set(device);
+  // A global-mode CUDA graph capture in another thread forbids "unsafe" calls such as event
+  // queries process-wide, and one such call invalidates the capture. Relaxed mode exempts this
+  // thread; it never touches captured work anyway.
+  device_->relaxCaptureMode();
   std::unique_lock<std::mutex> lk(mu_);
   while (!stop_) {
     cv_.wait_for(lk, kPollInterval, [&] { return stop_; });
@@ -83,10 +94,8 @@ void Watchdog::loop() {
     try {
       poll();
     } catch (const std::exception& e) {
-      auto* ce = dynamic_cast<const c10::Error*>(&e);
-      fail("watchdog error on rank " + std::to_string(rank_) + ", group '" + group_ +
-               "': " + (ce ? ce->what_without_backtrace() : e.what()),
-           false);
+      failFromWatchdog("watchdog error on rank " + std::to_string(rank_) + ", group '" + group_ + "': " + errorText(e),
+                       false, nullptr);
     }
     lk.lock();
   }
@@ -102,12 +111,13 @@ void Watchdog::poll() {
     works = tracked_;
   }
   for (auto& c : comms) {
-    ncclResult_t r = c->asyncError();
-    if (r != ncclSuccess && r != ncclInProgress) {
+    NcclResult r = c->asyncError();
+    if (r != NcclResult::Success && r != NcclResult::InProgress) {
       std::ostringstream os;
-      os << "NCCL reported an asynchronous error on cuda:" << c->device() << " (rank " << rank_ << ", group '"
-         << group_ << "'): " << ncclErrorText(r) << "; outstanding ops cannot complete";
-      fail(os.str(), false);
+      os << "NCCL reported an asynchronous error on communicator '" << c->name() << "' (cuda:" << c->device()
+         << ", rank " << rank_ << ", group '" << group_ << "'): " << ncclErrorText(c->nccl(), r)
+         << "; outstanding ops cannot complete";
+      failFromWatchdog(os.str(), false, nullptr);
       return;
     }
   }
@@ -120,19 +130,18 @@ void Watchdog::poll() {
     }
     bool gpuDone = false;
     try {
+      DeviceGuard guard(*device_, w->device().index());
       gpuDone = w->gpuFinished();
     } catch (const std::exception& e) {
-      auto* ce = dynamic_cast<const c10::Error*>(&e);
-      fail(w->info().describe() + ": CUDA error while checking whether the op finished: " +
-               (ce ? ce->what_without_backtrace() : e.what()),
-           false, w.get());
+      failFromWatchdog(w->info().describe() + ": device error while checking whether the op finished: " + errorText(e),
+                       false, w.get());
       return;
     }
     if (gpuDone) {
       if (w->succeed()) finished.push_back(w.get());
       // else: the communicator has an error; the next tick reports it for the whole group.
     } else if (now > w->deadline()) {
-      fail(timeoutReason(w->info(), w->device().index()), true, w.get());
+      failFromWatchdog(timeoutReason(w->info(), w->device().index()), true, w.get());
       return;
     }
   }
@@ -146,21 +155,75 @@ void Watchdog::poll() {
   if (tracked_.empty()) idleCv_.notify_all();
 }
 
-void Watchdog::fail(const std::string& why, bool timedOut, NcclWork* culprit) {
+void Watchdog::failFromWatchdog(const std::string& why, bool timedOut, NcclWork* culprit) {
+  const bool takeDownProcess = !policy_.blockingWait && (policy_.handling == ErrorHandling::TearDown ||
+                                                         policy_.handling == ErrorHandling::SkipCleanUp);
+  if (!takeDownProcess) {
+    fail(why, timedOut, culprit);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!failure_.empty()) return;  // someone else failed the group first, and reported it
+    failure_ = why;
+    timedOut_ = timedOut;
+  }
+  if (policy_.hooks) policy_.hooks->run(why);
+  takeDown(why);
+}
+
+void Watchdog::takeDown(const std::string& why) {
+  std::ostringstream os;
+  os << "myccl: [Rank " << rank_ << "] watchdog of group '" << group_ << "': " << why
+     << ". To avoid data inconsistency, we are taking the entire process down (MYCCL_ASYNC_ERROR_HANDLING="
+     << static_cast<int>(policy_.handling)
+     << "; 2 keeps the process and raises the error from the group's ops instead).\n";
+  const std::string msg = os.str();
+  // Straight to stderr: the process ends in a moment, and the Python logger may need the GIL.
+  std::fputs(msg.c_str(), stderr);
+  std::fflush(stderr);
+  if (policy_.handling == ErrorHandling::TearDown) {
+    std::vector<std::shared_ptr<NcclComm>> comms;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      comms = comms_;
+    }
+    // An abort can itself hang (a driver stuck on a dead peer): bounded, on a thread of its own.
+    auto done = std::make_shared<std::promise<void>>();
+    auto fut = done->get_future();
+    auto dev = device_;
+    int index = comms.empty() ? 0 : comms.front()->device();
+    std::thread([comms, done, dev, index] {
+      dev->set(index);
+      for (auto& c : comms) c->abort();
+      done->set_value();
+    }).detach();
+    if (fut.wait_for(policy_.abortBound) != std::future_status::ready) {
+      std::fputs("myccl: aborting the NCCL communicators did not finish in time; exiting without it\n", stderr);
+    }
+  }
+  std::abort();
+}
+
+void Watchdog::fail(const std::string& why, bool timedOut, NcclWork* culprit, bool userAbort) {
   std::vector<c10::intrusive_ptr<NcclWork>> works;
   std::vector<std::shared_ptr<NcclComm>> comms;
   std::string first;
+  bool firstFailure = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (failure_.empty()) {
       failure_ = why;
       timedOut_ = timedOut;
-      comms = comms_;
+      firstFailure = true;
+      if (userAbort || policy_.handling != ErrorHandling::NoHandling) comms = comms_;
     }
     first = failure_;
     works.swap(tracked_);
   }
   idleCv_.notify_all();
+  // Hooks before the abort: they may want to look at the state of the communicators.
+  if (firstFailure && !userAbort && policy_.hooks) policy_.hooks->run(why);
   // Abort before reporting: once a caller sees the error, no kernel of this group still
   // writes into its tensors.
   for (auto& c : comms) c->abort();
@@ -204,7 +267,7 @@ void Watchdog::drain() {
   // Bounded: the thread fails any Work past its deadline, which empties tracked_.
   while (!tracked_.empty() && failure_.empty()) {
     if (stop_ || !thread_.joinable()) {
-      // No thread to make progress: poll here.
+      // No thread to make progress: poll here (the calling thread has selected its device).
       lk.unlock();
       poll();
       std::this_thread::sleep_for(kPollInterval);

@@ -247,4 +247,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("_stream_copy_min_bytes", &myccl::cpu::streamCopyMinBytes);
 
   bindReducer(m);
+  bindCudaDouble(m);
 }

@@ -86,6 +86,8 @@ class CpuEngine final : public Engine {
   bool timedOut() const override;
 
   const Topology& topology() const { return topo_; }
+  // This incarnation of the group's key space in the store (the same on every rank).
+  const std::string& keyPrefix() const { return keyPrefix_; }
   Transport& transport() { return *transport_; }
   // "rank 1: tcp 127.0.0.1:4242" per peer, one a line.
   std::string describeLinks() const;

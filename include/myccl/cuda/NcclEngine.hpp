@@ -1,7 +1,9 @@
-// The CUDA engine of one group: NCCL communicators (one per device, created lazily or
-// eagerly), a dedicated NCCL stream per device that waits on the caller's stream, CUDA-event
-// Works, and a watchdog that turns a stuck op into an aborted communicator and an error.
-// Compiled only when the build has NCCL (MYCCL_WITH_NCCL).
+// The CUDA engine of one group: NCCL communicators (the group's, one per device, created lazily
+// or eagerly, and a two-rank one per peer pair for point-to-point), a stream per communicator
+// that waits on the caller's stream, event-completed Works, and a watchdog that turns a stuck op
+// into an error (and by default, as torch does, into a process taken down). It reaches CUDA and
+// NCCL only through its Runtime (Runtime.hpp), so it builds everywhere and runs under the test
+// double; the real Runtime exists when the build has NCCL.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,16 +13,21 @@
 #include <string>
 #include <vector>
 
+#include "myccl/AbortHooks.hpp"
 #include "myccl/Engine.hpp"
+#include "myccl/cuda/Runtime.hpp"
 
 namespace myccl::cuda {
 
 class NcclEngine final : public Engine {
  public:
-  // `timeout` bounds communicator creation by eagerConnect() and the graceful shutdown; zero
-  // means the store's timeout. (Ops carry their own timeout in OpInfo.)
-  NcclEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::string group, const Config& cfg,
-             std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // `keyPrefix`: the group incarnation's key space in the store (every rank of this incarnation
+  // has the same, whatever earlier incarnations left behind). `timeout` bounds communicator
+  // creation by eagerConnect() and the graceful shutdown; zero means the store's timeout. (Ops
+  // carry their own timeout in OpInfo.) `hooks` run before the group aborts on a failure.
+  NcclEngine(c10::intrusive_ptr<c10d::Store> store, std::string keyPrefix, int rank, int size, std::string group,
+             const Config& cfg, std::chrono::milliseconds timeout, Runtime runtime,
+             std::shared_ptr<AbortHooks> hooks);
   ~NcclEngine() override;
 
   // Every op: tensors are CUDA tensors on one device, already validated by the backend.
@@ -37,7 +44,10 @@ class NcclEngine final : public Engine {
                    std::vector<at::Tensor> userInputs = {}) override;
   // wait() on a barrier's Work also blocks the host until every rank arrived (within the timeout).
   WorkPtr barrier(OpInfo info, at::Device device) override;
-  // NCCL has no tags: messages between two ranks match in the order they were posted.
+  // On the two-rank communicator of the pair, with its own stream, so that unbatched rings and
+  // exchanges between some of the ranks never wait for the others. NCCL has no tags: messages
+  // between two ranks match in the order they were posted. To self: a device copy once both
+  // the send and the receive (same tag) are posted.
   WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag) override;
   WorkPtr recv(OpInfo info, at::Tensor t, int peer, int tag) override;
 
@@ -47,13 +57,14 @@ class NcclEngine final : public Engine {
   WorkPtr endCoalescing(const OpInfo& info) override;
 
   void eagerConnect(at::Device device) override;
+  int lastDevice() const override;
   void setTimeout(std::chrono::milliseconds timeout) override;
   void abort(const std::string& why) override;
   void shutdown() override;
   bool failed() const override;
   bool timedOut() const override;
 
-  static std::string version();  // of the libnccl loaded in this process
+  const Runtime& runtime() const;
 
  private:
   struct Impl;

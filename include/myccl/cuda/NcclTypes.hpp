@@ -1,31 +1,36 @@
 // How elements and reductions map onto NCCL: which NCCL type a buffer travels as, in which
 // dtype it is staged (int16 has no NCCL type and is reduced as int32; complex travels as pairs
-// of reals), and which NCCL operator (bool SUM is MAX, PREMUL_SUM is a per-call operator).
+// of reals), and which NCCL operator (bool SUM is MAX, PREMUL_SUM is a per-launch operator).
 // Unsupported combinations raise ValueError before anything is issued.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
-#include <nccl.h>
 
 #include <string>
 
 #include "myccl/Reduction.hpp"
+#include "myccl/cuda/Runtime.hpp"
 
 namespace myccl::cuda {
 
 struct NcclReduce {
-  ncclDataType_t type = ncclFloat32;  // element type NCCL sees
+  NcclType type = NcclType::Float32;  // element type NCCL sees
   at::ScalarType stage = at::kFloat;  // dtype of the contiguous buffer handed to NCCL
   int64_t perElement = 1;             // NCCL elements per tensor element (2 for complex)
-  ncclRedOp_t op = ncclSum;           // built-in operator, unless premul
-  bool premul = false;                // ncclRedOpCreatePreMulSum(factor) per launch
-  double factor = 1.0;
+  NcclRedOp op = kNcclSum;            // built-in operator, unless premul
+  bool premul = false;                // redOpCreatePreMulSum per launch
+  double factor = 1.0;                // the premul factor, when given as a number
+  at::Tensor factorTensor;            // ... or as a tensor: passed to NCCL on the device
 };
 
 // `where` is "<op> (rank R)". Raises ValueError (MYCCL_CHECK_ARG) for what NCCL cannot do.
 NcclReduce planReduce(const Reduction& red, const std::string& where);
 
+// The torch dtype of NCCL's element type (the premul factor's dtype on the device).
+at::ScalarType scalarTypeOf(NcclType type);
+
 // The premul factor as NCCL wants it for `type`, written into `out` (at least 8 bytes).
-void premulScalar(ncclDataType_t type, double factor, void* out);
+void premulScalar(NcclType type, double factor, void* out);
 
 }  // namespace myccl::cuda

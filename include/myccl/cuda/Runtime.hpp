@@ -52,6 +52,9 @@ class Device {
   // selected one; a thread the engine creates selects it before its first such call.
   virtual int current() = 0;
   virtual void set(int index) = 0;
+  // Back to the device a thread had before a scope that set another. Like torch's guards it
+  // makes no context on a device that has none yet (CUDA: MaybeSetDevice; the double: set).
+  virtual void restore(int index) = 0;
 
   // The calling thread's current stream on `index` (torch's getCurrentCUDAStream) and setting
   // it (setCurrentCUDAStream). A new stream comes from torch's pool.
@@ -122,6 +125,8 @@ enum class NcclType : int {
 size_t ncclTypeSize(NcclType t);
 const char* ncclTypeName(NcclType t);
 const char* ncclResultName(NcclResult r);
+// "2.28.3" from NCCL's version code (major*10000 + minor*100 + patch since 2.9).
+std::string ncclVersionString(int code);
 
 // ncclRedOp_t: 0 sum, 1 prod, 2 max, 3 min, 4 avg; operators made by redOpCreatePreMulSum
 // have other values.

@@ -117,6 +117,9 @@ class DoubleDevice final : public Device {
     m_->thread().device = index;
   }
 
+  // The double makes no contexts: going back to a device is selecting it.
+  void restore(int index) override { set(index); }
+
   Stream currentStream(int index) override {
     m_->requireDevice("getCurrentCUDAStream");
     m_->checkIndex(index, "getCurrentCUDAStream");

@@ -1,0 +1,151 @@
+// The CUDA engine's communicators: the group's on each device (collective: all ranks make their
+// n-th one at the same op), and a two-rank one per peer pair for point-to-point (made by those
+// two alone, so a send between two ranks never waits for the others, and each pair has its own
+// stream). Ids travel through the store under the incarnation's key space; before the (blocking)
+// NCCL init every member announces itself there, so a member that never comes is named in a
+// timeout error instead of hanging inside NCCL's init, and abort() can interrupt the wait.
+#include <algorithm>
+#include <cstring>
+
+#include "EngineImpl.hpp"
+#include "myccl/StoreWait.hpp"
+
+namespace myccl::cuda {
+
+void NcclEngine::Impl::awaitKeys(const std::vector<std::string>& keys, const std::vector<int>& ranks,
+                                 Clock::time_point deadline, const std::string& what, const std::string& where) {
+  constexpr auto kSlice = std::chrono::milliseconds(100);
+  const auto total = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  for (;;) {
+    if (closed) throwDistError("myccl: " + where + ": aborted while waiting for " + what);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) {
+      // Names the ranks whose keys are missing, in the group's words for a timeout.
+      waitForRanks(*store, keys, ranks, std::chrono::milliseconds(1), what, where);
+      throwDistError("myccl: " + where + ": Timed out after " + std::to_string(total.count()) + " ms waiting for " +
+                     what);
+    }
+    try {
+      store->wait(keys, std::min<std::chrono::milliseconds>(left, kSlice));
+      return;
+    } catch (const c10::Error&) {
+      // A slice ran out (or the store hiccuped): look at abort and the deadline, then go on.
+    }
+  }
+}
+
+CommSlot& NcclEngine::Impl::create(const std::string& key, const std::vector<int>& members, bool pair, int device,
+                                   Clock::time_point deadline, const std::string& where) {
+  const int nranks = static_cast<int>(members.size());
+  const int myRank = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+  // A fresh store key per attempt of this slot, so a communicator made again never reads an old id.
+  const std::string base = prefix + "nccl/" + key + "/" + std::to_string(creations[key]++) + "/";
+  NcclUniqueId id{};
+  if (myRank == 0) {
+    NcclResult r = rt.nccl->getUniqueId(&id);
+    if (r != NcclResult::Success) {
+      throwDistError("myccl: " + where + ": ncclGetUniqueId failed: " + ncclErrorText(*rt.nccl, r));
+    }
+    const auto* p = reinterpret_cast<const uint8_t*>(&id);
+    store->set(base + "id", std::vector<uint8_t>(p, p + sizeof id));
+  }
+  store->set(base + "here/" + std::to_string(rank), std::vector<uint8_t>{1});
+  std::vector<std::string> keys{base + "id"};
+  std::vector<int> owners{members[0]};
+  for (int m : members) {
+    keys.push_back(base + "here/" + std::to_string(m));
+    owners.push_back(m);
+  }
+  const std::string what = pair ? "rank " + std::to_string(members[myRank == 0 ? 1 : 0]) +
+                                      " to reach its first point-to-point op with this rank on this group"
+                                : "every rank to reach its first CUDA op on this group (or eager_connect)";
+  awaitKeys(keys, owners, deadline, what, where);
+  if (myRank != 0) {
+    auto v = store->get(base + "id");
+    MYCCL_CHECK(v.size() == sizeof id, where, ": the NCCL id under store key '", base, "id' has ", v.size(),
+                " bytes, expected ", sizeof id);
+    std::memcpy(&id, v.data(), sizeof id);
+  }
+  auto comm = std::make_shared<NcclComm>(rt, device, "myccl:" + group + ":" + key, !cfg.ncclNonblocking);
+  {
+    std::lock_guard<std::mutex> lk(creatingMu);
+    creating.push_back(comm);
+  }
+  auto forget = [&] {
+    std::lock_guard<std::mutex> lk(creatingMu);
+    creating.erase(std::remove(creating.begin(), creating.end(), comm), creating.end());
+  };
+  try {
+    if (closed) throwDistError("myccl: " + where + ": the group was aborted");
+    comm->init(id, myRank, nranks, deadline, where);
+  } catch (...) {
+    forget();
+    throw;
+  }
+  forget();
+  watchdog->start(device);
+  watchdog->addComm(comm);
+  auto slot = std::make_unique<CommSlot>();
+  slot->key = key;
+  slot->comm = std::move(comm);
+  slot->device = device;
+  slot->stream = rt.device->newStream(device, cfg.highPriorityStream);
+  slot->ready = rt.device->newEvent();
+  slot->lowRank = pair ? members[0] : -1;
+  auto& ref = *slot;
+  slots[key] = std::move(slot);
+  return ref;
+}
+
+CommSlot& NcclEngine::Impl::groupSlot(int device, Clock::time_point deadline, const std::string& where) {
+  auto it = groupKeyOf.find(device);
+  if (it != groupKeyOf.end()) return *slots.at(it->second);
+  MYCCL_CHECK(!rt.device->isCapturing(rt.device->currentStream(device)), where, ": the first CUDA op on cuda:",
+              device, " of this group is being captured into a CUDA graph, and NCCL communicators cannot be created "
+              "during capture; run one op (or eager_connect) on this device before capturing");
+  // Keyed by the engine's creation count, not by the device index: rank r usually drives
+  // cuda:r, so the index differs across ranks, while every rank makes its n-th group
+  // communicator at the same op.
+  const std::string key = "group" + std::to_string(groupComms);
+  std::vector<int> members(size);
+  for (int r = 0; r < size; ++r) members[r] = r;
+  CommSlot& slot = create(key, members, /*pair=*/false, device, deadline, where);
+  ++groupComms;
+  groupKeyOf[device] = key;
+  return slot;
+}
+
+CommSlot& NcclEngine::Impl::pairSlot(int peer, int device, Clock::time_point deadline, const std::string& where) {
+  const int lo = std::min(rank, peer), hi = std::max(rank, peer);
+  // The same key on both sides, whatever device each drives.
+  const std::string key = "p2p" + std::to_string(lo) + "-" + std::to_string(hi);
+  auto it = slots.find(key);
+  if (it != slots.end()) {
+    MYCCL_CHECK(it->second->device == device, where, ": point-to-point with rank ", peer, " uses cuda:", device,
+                " but this pair's NCCL communicator was made on cuda:", it->second->device,
+                "; use one device per rank");
+    return *it->second;
+  }
+  MYCCL_CHECK(!rt.device->isCapturing(rt.device->currentStream(device)), where,
+              ": the first point-to-point op with rank ", peer, " on cuda:", device,
+              " is being captured into a CUDA graph, and NCCL communicators cannot be created during capture; "
+              "run one such op before capturing");
+  return create(key, {lo, hi}, /*pair=*/true, device, deadline, where);
+}
+
+CommSlot& NcclEngine::Impl::slotFor(const Target& target, int device, Clock::time_point deadline,
+                                    const std::string& where) {
+  return target.kind == Target::Pair ? pairSlot(target.peer, device, deadline, where)
+                                     : groupSlot(device, deadline, where);
+}
+
+void NcclEngine::Impl::abortComms() {
+  std::vector<std::shared_ptr<NcclComm>> comms;
+  {
+    std::lock_guard<std::mutex> lk(creatingMu);
+    comms = creating;
+  }
+  for (auto& c : comms) c->abort();
+}
+
+}  // namespace myccl::cuda
