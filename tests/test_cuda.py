@@ -1,19 +1,25 @@
-"""CUDA tensors over myccl's NCCL engine.
+"""CUDA tensors over myccl's NCCL engine, on a GPU and on the strict host double.
 
-World size 1: every op and dtype against a local expectation. World size 2 on one GPU: each
-rank pretends to be its own host (NCCL_HOSTID) so NCCL accepts two ranks on one device, and
-talks over loopback sockets; every op is compared with a local expectation and with torch's
-own "nccl" backend on the same inputs. DDP over myccl gives the gradients DDP over "nccl"
-gives. CUDA graph capture of myccl collectives replays correctly. The watchdog turns a
-missing peer into a DistBackendError naming the op, and the group refuses later ops.
+Every body runs in two modes. "gpu" (marked `cuda`, skipped without one): world size 1, and
+world size 2 on one GPU where each rank pretends to be its own host (NCCL_HOSTID) so NCCL
+accepts two ranks on one device; results are compared with a local expectation and with
+torch's own "nccl". "double" (always, in CI): the same engine logic on the strict test double
+(MYCCL_TEST_CUDA_DOUBLE=1): CPU tensors stand for CUDA tensors, streams are worker threads with
+random delays, NCCL moves data between the rank processes through the store, and wherever real
+CUDA/NCCL would hang or misbehave the double records a violation, which fails the test. There
+the reference backend is gloo.
 
-Everything marked `cuda` skips cleanly without a GPU; the build checks run everywhere.
+Further down: tests for what review found in the engine (each fails if its bug comes back),
+p2p patterns at 3 and 4 ranks, failure handling, DDP with torch's reducer.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import re
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -37,6 +43,21 @@ SHARED_GPU = {
 # A world of its own for fault injection: an aborted communicator must not leak into other tests.
 FAULT_WORLD = dict(SHARED_GPU, MYCCL_TEST_WORLD="faults")
 
+DOUBLE_DEVICES = 2
+# The strict double: each rank's stream delays seeded differently; a hang is reported after 20 s
+# (every test that expects a peer to be missing uses a shorter group timeout).
+DOUBLE = {
+    "MYCCL_TEST_CUDA_DOUBLE": "1",
+    "MYCCL_TEST_CUDA_DOUBLE_SEED": "1{rank}",
+    "MYCCL_TEST_CUDA_DOUBLE_DEVICES": str(DOUBLE_DEVICES),
+    "MYCCL_TEST_CUDA_DOUBLE_HANG_MS": "20000",
+}
+DOUBLE_FAULTS = dict(DOUBLE, MYCCL_TEST_WORLD="faults")
+
+WORLD = {"gpu": SHARED_GPU, "double": DOUBLE}
+FAULTS = {"gpu": FAULT_WORLD, "double": DOUBLE_FAULTS}
+MODES = [pytest.param("double", id="double"), pytest.param("gpu", id="gpu", marks=pytest.mark.cuda)]
+
 SHAPES = {
     "empty": (0,),
     "scalar": (),
@@ -52,10 +73,15 @@ LARGE_DTYPES = {torch.float32, torch.bfloat16, torch.int64}
 # ---- helpers (run inside the rank processes) -----------------------------------------------
 
 class Report:
-    def __init__(self, ctx):
+    def __init__(self, ctx, mode="gpu"):
         self.rank = ctx.rank
+        self.mode = mode
         self.checks = 0
         self.failures: list[str] = []
+        if mode == "double":
+            from c10d_ext import cuda_double
+
+            cuda_double.clear_violations()
 
     def check(self, ok: bool, what: str):
         self.checks += 1
@@ -76,22 +102,44 @@ class Report:
         self.failures.append(f"rank {self.rank}: {what}: expected ValueError, nothing raised")
 
     def result(self):
+        if self.mode == "double":
+            # Whatever the engine did that real CUDA/NCCL would hang on or get wrong.
+            from c10d_ext import cuda_double
+
+            sync(self.mode)
+            for v in cuda_double.violations():
+                self.failures.append(f"rank {self.rank}: strict double: {v}")
+            self.checks += 1
         return self.checks, self.failures
 
 
-def _device(ctx) -> torch.device:
-    dev = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+def _device(ctx, mode="gpu", index=None) -> torch.device:
+    if mode == "double":
+        from c10d_ext import cuda_double
+
+        cuda_double.set_device(ctx.rank % DOUBLE_DEVICES if index is None else index)
+        return torch.device("cpu")
+    dev = torch.device("cuda", ctx.rank % torch.cuda.device_count() if index is None else index)
     torch.cuda.set_device(dev)
     return dev
 
 
-def _init(ctx, compare: bool = False, timeout: float = 120.0, **options):
-    """myccl as the default group, and torch's "nccl" on the same ranks to compare with."""
+def sync(mode="gpu"):
+    if mode == "double":
+        from c10d_ext import cuda_double
+
+        cuda_double.synchronize()
+    else:
+        torch.cuda.synchronize()
+
+
+def _init(ctx, compare: bool = False, timeout: float = 120.0, mode: str = "gpu", **options):
+    """myccl as the default group, and torch's "nccl" (gloo under the double) on the same ranks."""
     import c10d_ext
 
-    dev = _device(ctx)
+    dev = _device(ctx, mode)
     ctx.init(timeout=timeout, pg_options=c10d_ext.Options(**options) if options else None)
-    ref = dist.new_group(backend="nccl") if compare else None
+    ref = dist.new_group(backend="gloo" if mode == "double" else "nccl") if compare else None
     return dev, ref
 
 
@@ -144,27 +192,30 @@ def _cases(dtypes=ALL_DTYPES, shapes=SHAPES):
 
 
 def _ref(rep, what, fn):
-    """Runs fn on torch's nccl group; returns False where torch's backend refuses the case."""
+    """Runs fn on the reference group; returns False where that backend refuses the case."""
     try:
         fn()
         return True
     except (ValueError, RuntimeError, TypeError) as e:
-        if "nccl" in str(e).lower() or "not supported" in str(e).lower() or "does not support" in str(e):
+        if rep.mode == "double":
+            return False  # gloo lacks some dtypes and AVG on integers; the local expectation decides
+        text = str(e).lower()
+        if "nccl" in text or "gloo" in text or "not supported" in text or "does not support" in text:
             return False
-        rep.check(False, f"{what}: torch's nccl failed unexpectedly: {type(e).__name__}: {e}")
+        rep.check(False, f"{what}: the reference backend failed unexpectedly: {type(e).__name__}: {e}")
         return False
 
 
 def _on(dev, t):
-    """To the GPU, keeping strides (a transposed input stays non-contiguous)."""
+    """To the device, keeping strides (a transposed input stays non-contiguous)."""
     return t.to(dev)
 
 
 # ---- per-rank bodies ---------------------------------------------------------------------
 
-def body_all_reduce(ctx, compare):
-    dev, ref = _init(ctx, compare)
-    rep = Report(ctx)
+def body_all_reduce(ctx, compare, mode="gpu"):
+    dev, ref = _init(ctx, compare, mode=mode)
+    rep = Report(ctx, mode)
     seed = 0
     for dtype, shape_name in _cases():
         for op in REDOPS:
@@ -191,7 +242,7 @@ def body_all_reduce(ctx, compare):
     total = float(sum(range(1, ctx.size + 1)))
     rep.check(torch.equal(t, torch.full_like(t, total)), "async all_reduce value after wait()")
     rep.check(torch.equal(doubled.wait(), torch.full_like(t, 2 * total)), "future.then chained on the result")
-    torch.cuda.synchronize()
+    sync(mode)
     rep.check(w.is_completed(), "is_completed() after synchronize")
     # coalesced: the coalescing manager's fast path (all_reduce_coalesced) and the list API
     ts = [_on(dev, make(ctx.rank, s, torch.float32, 51 + i)) for i, s in enumerate([(5,), (3, 2), (0,)])]
@@ -210,9 +261,9 @@ def body_all_reduce(ctx, compare):
     return rep.result()
 
 
-def body_reduce_broadcast(ctx, compare):
-    dev, ref = _init(ctx, compare)
-    rep = Report(ctx)
+def body_reduce_broadcast(ctx, compare, mode="gpu"):
+    dev, ref = _init(ctx, compare, mode=mode)
+    rep = Report(ctx, mode)
     seed = 100
     n = ctx.size
     for root in range(n):
@@ -250,9 +301,9 @@ def body_reduce_broadcast(ctx, compare):
     return rep.result()
 
 
-def body_all_gather(ctx, compare):
-    dev, ref = _init(ctx, compare)
-    rep = Report(ctx)
+def body_all_gather(ctx, compare, mode="gpu"):
+    dev, ref = _init(ctx, compare, mode=mode)
+    rep = Report(ctx, mode)
     n = ctx.size
     for dtype, shape_name in _cases():
         xs = _inputs(ctx, shape_name, dtype, 11)
@@ -309,9 +360,9 @@ def body_all_gather(ctx, compare):
     return rep.result()
 
 
-def body_gather_scatter(ctx, compare):
-    dev, ref = _init(ctx, compare)
-    rep = Report(ctx)
+def body_gather_scatter(ctx, compare, mode="gpu"):
+    dev, ref = _init(ctx, compare, mode=mode)
+    rep = Report(ctx, mode)
     n = ctx.size
     for root in range(n):
         for dtype, shape_name in _cases(shapes=["scalar", "small", "medium", "noncontig", "empty"]):
@@ -333,9 +384,9 @@ def body_gather_scatter(ctx, compare):
     return rep.result()
 
 
-def body_reduce_scatter(ctx, compare):
-    dev, ref = _init(ctx, compare)
-    rep = Report(ctx)
+def body_reduce_scatter(ctx, compare, mode="gpu"):
+    dev, ref = _init(ctx, compare, mode=mode)
+    rep = Report(ctx, mode)
     n = ctx.size
     seed = 300
     for dtype, shape_name in _cases(shapes=["scalar", "small", "medium", "large", "noncontig", "empty"]):
@@ -387,9 +438,9 @@ def body_reduce_scatter(ctx, compare):
     return rep.result()
 
 
-def body_all_to_all_p2p_barrier(ctx, compare):
-    dev, ref = _init(ctx, compare)
-    rep = Report(ctx)
+def body_all_to_all_p2p_barrier(ctx, compare, mode="gpu"):
+    dev, ref = _init(ctx, compare, mode=mode)
+    rep = Report(ctx, mode)
     n = ctx.size
     for dtype, shape_name in _cases(shapes=["small", "medium", "2d", "empty"]):
         shape = SHAPES[shape_name]
@@ -484,22 +535,24 @@ def body_graph_capture(ctx):
     return rep.result()
 
 
-def body_ddp(ctx):
-    """DDP over myccl and over nccl from the same start on the same data: same gradients."""
+def body_ddp(ctx, mode="gpu"):
+    """DDP over myccl and over nccl (gloo under the double) from the same start on the same
+    data: same gradients, also with the fp16 compression hook."""
     import torch.nn as nn
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dev, ref = _init(ctx, compare=True)
-    rep = Report(ctx)
+    dev, ref = _init(ctx, compare=True, mode=mode)
+    rep = Report(ctx, mode)
+    ids = [dev] if mode == "gpu" else None
     torch.manual_seed(1234)
     base = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).to(dev)
     # bucket_cap_mb small: several buckets, so overlap with backward is exercised
-    mine = DDP(copy.deepcopy(base), device_ids=[dev], bucket_cap_mb=0.01)
-    theirs = DDP(copy.deepcopy(base), device_ids=[dev], process_group=ref, bucket_cap_mb=0.01)
-    mine16 = DDP(copy.deepcopy(base), device_ids=[dev], bucket_cap_mb=0.01)
+    mine = DDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=0.01)
+    theirs = DDP(copy.deepcopy(base), device_ids=ids, process_group=ref, bucket_cap_mb=0.01)
+    mine16 = DDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=0.01)
     mine16.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    theirs16 = DDP(copy.deepcopy(base), device_ids=[dev], process_group=ref, bucket_cap_mb=0.01)
+    theirs16 = DDP(copy.deepcopy(base), device_ids=ids, process_group=ref, bucket_cap_mb=0.01)
     theirs16.register_comm_hook(ref, default_hooks.fp16_compress_hook)
     models = [mine, theirs, mine16, theirs16]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
@@ -521,12 +574,13 @@ def body_ddp(ctx):
     return rep.result()
 
 
-def body_missing_peer(ctx, blocking):
-    """Rank 1 skips an all_reduce: rank 0's watchdog (or blocking wait) must raise, not hang."""
-    dev, _ = _init(ctx, timeout=3.0, blocking_wait=blocking)
+def body_missing_peer(ctx, blocking, mode="gpu", handling=2):
+    """Rank 1 skips an all_reduce: rank 0's watchdog (or blocking wait) must raise, not hang.
+    handling=2 (CleanUpOnly): the error is raised and the process stays."""
+    dev, _ = _init(ctx, timeout=3.0, mode=mode, blocking_wait=blocking, async_error_handling=handling)
     t = torch.ones(8, device=dev)
     dist.all_reduce(t)  # communicator up and connected
-    torch.cuda.synchronize()
+    sync(mode)
     store = ctx.store("missing_peer")
     if ctx.rank != 0:
         store.wait(["rank0_done"], timedelta(seconds=60))
@@ -585,17 +639,17 @@ BODIES = [body_all_reduce, body_reduce_broadcast, body_all_gather, body_gather_s
           body_all_to_all_p2p_barrier]
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("body", BODIES, ids=[b.__name__[5:] for b in BODIES])
-def test_world1_every_op(run, body):
-    results = run(1, body, False, timeout=300, world_env=SHARED_GPU)
+def test_world1_every_op(run, body, mode):
+    results = run(1, body, False, mode, timeout=300, world_env=WORLD[mode])
     _assert_reports(results)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("body", BODIES, ids=[b.__name__[5:] for b in BODIES])
-def test_world2_one_gpu_vs_nccl(run, body):
-    results = run(2, body, True, timeout=420, world_env=SHARED_GPU)
+def test_world2_vs_reference(run, body, mode):
+    results = run(2, body, True, mode, timeout=420, world_env=WORLD[mode])
     _assert_reports(results)
 
 
@@ -604,15 +658,15 @@ def test_graph_capture(run):
     _assert_reports(run(2, body_graph_capture, timeout=180, world_env=SHARED_GPU))
 
 
-@pytest.mark.cuda
-def test_ddp_matches_nccl(run):
-    _assert_reports(run(2, body_ddp, timeout=180, world_env=SHARED_GPU))
+@pytest.mark.parametrize("mode", MODES)
+def test_ddp_matches_reference(run, mode):
+    _assert_reports(run(2, body_ddp, mode, timeout=180, world_env=WORLD[mode]))
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("blocking", [False, True], ids=["watchdog", "blocking_wait"])
-def test_missing_peer_times_out(run, blocking):
-    res = run(2, body_missing_peer, blocking, timeout=150, world_env=FAULT_WORLD)[0]
+def test_missing_peer_times_out(run, blocking, mode):
+    res = run(2, body_missing_peer, blocking, mode, timeout=150, world_env=FAULTS[mode])[0]
     assert res["err"] is not None, "the all_reduce without its peer completed instead of failing"
     assert res["is_dist_error"], res["err"]
     name, msg = res["err"]
