@@ -387,3 +387,31 @@ def test_timeout_takes_the_process_down_by_default(handling, tmp_path):
     assert procs[0].returncode == -signal.SIGABRT, (procs[0].returncode, errtext[-3000:])
     assert "Timed out after 2000 ms" in errtext and "taking the entire process down" in errtext, errtext[-3000:]
     assert elapsed < 45, elapsed
+
+
+def body_creation_names_missing_rank(ctx, mode):
+    """The first CUDA op of rank 0 waits for the communicator; rank 1 never comes: within the
+    timeout, an error that names rank 1 (not a hang inside NCCL's init)."""
+    dev, _ = _init(ctx, mode=mode, timeout=2.0)
+    store = ctx.store("creation")
+    if ctx.rank == 1:
+        store.wait(["done"], timedelta(seconds=60))
+        return None
+    start = time.monotonic()
+    err = None
+    try:
+        dist.all_reduce(_full(4, 1, dev))
+    except Exception as e:  # noqa: BLE001
+        err = e
+    elapsed = time.monotonic() - start
+    store.set("done", "1")
+    return {"err": f"{type(err).__name__}: {err}" if err else None, "elapsed": elapsed,
+            "dist_error": isinstance(err, dist.DistBackendError)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_communicator_creation_names_the_missing_rank(run, mode):
+    res = run(2, body_creation_names_missing_rank, mode, timeout=120, world_env=FAULTS[mode])[0]
+    assert res["err"] is not None and res["dist_error"], res
+    assert "Timed out after 2000 ms waiting for rank(s) 1 to reach its first CUDA op" in res["err"], res["err"]
+    assert res["elapsed"] < 20, res

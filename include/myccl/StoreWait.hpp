@@ -15,5 +15,7 @@ namespace myccl {
 // waiting for rank(s) 2, 3 to publish <what> in the store (...)".
 void waitForRanks(c10d::Store& store, const std::vector<std::string>& keys, const std::vector<int>& ranks,
                   std::chrono::milliseconds timeout, const std::string& what, const std::string& where);
+// "2, 3": the ranks whose keys are not in the store now (each listed once, in order).
+std::string missingRanks(c10d::Store& store, const std::vector<std::string>& keys, const std::vector<int>& ranks);
 
 }  // namespace myccl

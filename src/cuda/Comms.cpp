@@ -15,15 +15,16 @@ namespace myccl::cuda {
 void NcclEngine::Impl::awaitKeys(const std::vector<std::string>& keys, const std::vector<int>& ranks,
                                  Clock::time_point deadline, const std::string& what, const std::string& where) {
   constexpr auto kSlice = std::chrono::milliseconds(100);
-  const auto total = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  const auto total = std::chrono::round<std::chrono::milliseconds>(deadline - Clock::now());
   for (;;) {
     if (closed) throwDistError("myccl: " + where + ": aborted while waiting for " + what);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) {
-      // Names the ranks whose keys are missing, in the group's words for a timeout.
-      waitForRanks(*store, keys, ranks, std::chrono::milliseconds(1), what, where);
+      const std::string missing = missingRanks(*store, keys, ranks);
       throwDistError("myccl: " + where + ": Timed out after " + std::to_string(total.count()) + " ms waiting for " +
-                     what);
+                     (missing.empty() ? std::string("the other ranks") : "rank(s) " + missing) + " to reach " + what +
+                     ": NCCL needs every member to make the communicator together. A rank that never calls a "
+                     "matching op, is stuck, or has died leaves the others waiting here");
     }
     try {
       store->wait(keys, std::min<std::chrono::milliseconds>(left, kSlice));
@@ -56,9 +57,8 @@ CommSlot& NcclEngine::Impl::create(const std::string& key, const std::vector<int
     keys.push_back(base + "here/" + std::to_string(m));
     owners.push_back(m);
   }
-  const std::string what = pair ? "rank " + std::to_string(members[myRank == 0 ? 1 : 0]) +
-                                      " to reach its first point-to-point op with this rank on this group"
-                                : "every rank to reach its first CUDA op on this group (or eager_connect)";
+  const std::string what = pair ? "its first point-to-point op with rank " + std::to_string(rank) + " on this group"
+                                : "its first CUDA op on this group (or eager_connect)";
   awaitKeys(keys, owners, deadline, what, where);
   if (myRank != 0) {
     auto v = store->get(base + "id");
