@@ -83,12 +83,12 @@ def share_gpus(rank: int, local_world: int) -> bool:
 def cuda_problem() -> str | None:
     """Why --device cuda cannot run here, or None."""
     if not torch.cuda.is_available():
-        return (f"--device cuda: torch {torch.__version__} sees no CUDA GPU"
+        return (f"torch {torch.__version__} sees no CUDA GPU"
                 + ("" if torch.version.cuda else " (a CPU-only build)"))
     import c10d_ext
 
     if not c10d_ext.build_info().get("with_nccl"):
-        return "--device cuda: c10d_ext was built without the NCCL engine (rebuild with MYCCL_WITH_NCCL=1)"
+        return "c10d_ext was built without the NCCL engine (rebuild with MYCCL_WITH_NCCL=1)"
     return None
 
 
@@ -462,7 +462,7 @@ def main() -> None:
     if args.device == "cuda":
         problem = cuda_problem()
         if problem:
-            sys.exit(f"collbench: {problem}")
+            sys.exit(f"collbench: --device cuda: {problem}")
         if "RANK" not in os.environ:
             need, have = cuda_memory(args, args.world_size)
             if need > have:
