@@ -1,7 +1,7 @@
 # The two commands of the README. Each works on a fresh machine (python3 + g++ + PyPI).
 # TORCH_SPEC picks the torch (default in requirements-torch.txt; any release 2.11-2.15), PYTHON the
 # interpreter of a new venv, VENV the venv (default .venv): see scripts/setup.sh.
-.PHONY: demo test test-compat setup bench wheel clean
+.PHONY: demo test test-compat setup bench wheel clean gpu-check
 
 VENV ?= .venv
 export VENV
@@ -24,6 +24,12 @@ test-compat: setup
 
 bench: setup
 	$(VENV)/bin/python benchmarks/collbench.py --world-size 2
+
+# On a lent GPU machine, offline: builds with the NCCL engine from wheelhouse/ (filled beforehand by
+# scripts/gpu_wheelhouse.sh) and runs the CUDA tests, collbench and DDP against torch's nccl into
+# one report. No `setup` here: it would download torch; the machine's own torch is used.
+gpu-check:
+	bash scripts/gpu_check.sh
 
 # A wheel for the venv's torch, named after it (c10d_ext-0.2.0+torch2.14-...whl) in dist/.
 wheel: setup

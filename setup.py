@@ -14,20 +14,25 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def _site_packages_dirs():
-    # nvidia-* wheels install as namespace packages under site-packages/nvidia/...
+    # nvidia-* wheels install as namespace packages under site-packages/nvidia/... In a venv made
+    # with --system-site-packages (the GPU check's) they are split: torch's CUDA runtime and NCCL
+    # in the base interpreter's site-packages, the header wheels installed later in the venv's.
+    # sys.path also names site dirs added by .pth files.
     import site
 
     dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
     dirs.append(os.path.dirname(os.path.dirname(torch.__file__)))
+    dirs += [p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))]
     return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
 
 
+def _find_all(rel):
+    return [os.path.join(base, rel) for base in _site_packages_dirs() if os.path.exists(os.path.join(base, rel))]
+
+
 def _find(rel):
-    for base in _site_packages_dirs():
-        path = os.path.join(base, rel)
-        if os.path.exists(path):
-            return path
-    return None
+    found = _find_all(rel)
+    return found[0] if found else None
 
 
 def _nccl_config():
@@ -46,21 +51,25 @@ def _nccl_config():
     if nccl_h is None or nccl_so is None:
         problems.append("nccl.h / libnccl.so.2 not found (pip install nvidia-nccl-cu13)")
     # nccl.h includes cuda_runtime.h; torch's wheels do not ship the CUDA headers, the small
-    # nvidia-cuda-crt / nvidia-cuda-cccl wheels (or a CUDA toolkit) do.
-    cuda_inc = None
-    for cand in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
-        p = _find(os.path.join(cand, "cuda_runtime.h"))
-        if p:
-            cuda_inc = os.path.dirname(p)
-            break
+    # nvidia-cuda-crt / nvidia-cuda-cccl wheels (or a CUDA toolkit) do. Runtime, crt and cccl are
+    # three wheels that may sit in different site-packages (see _site_packages_dirs): each part is
+    # taken next to cuda_runtime.h if it is there, else from wherever it is.
+    cuda_incs = [d for cand in ("nvidia/cu13/include", "nvidia/cuda_runtime/include") for d in _find_all(cand)]
+    cuda_inc = next((d for d in cuda_incs if os.path.exists(os.path.join(d, "cuda_runtime.h"))), None)
     if cuda_inc is None:
         home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
         if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
             cuda_inc = os.path.join(home, "include")
+            cuda_incs = [cuda_inc]
+    crt_inc = cccl_inc = None
     if cuda_inc is None:
         problems.append("cuda_runtime.h not found (pip install nvidia-cuda-crt nvidia-cuda-cccl)")
-    elif not os.path.exists(os.path.join(cuda_inc, "crt", "host_defines.h")):
-        problems.append(f"{cuda_inc} lacks crt/host_defines.h (pip install nvidia-cuda-crt)")
+    else:
+        near_first = [cuda_inc] + [d for d in cuda_incs if d != cuda_inc]
+        crt_inc = next((d for d in near_first if os.path.exists(os.path.join(d, "crt", "host_defines.h"))), None)
+        cccl_inc = next((os.path.join(d, "cccl") for d in near_first if os.path.isdir(os.path.join(d, "cccl"))), None)
+        if crt_inc is None:
+            problems.append(f"{cuda_inc} lacks crt/host_defines.h (pip install nvidia-cuda-crt)")
     cudart = None
     for cand in ("nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.12"):
         cudart = _find(cand)
@@ -74,10 +83,7 @@ def _nccl_config():
         print("setup.py: building without the NCCL engine: " + "; ".join(problems))
         return None
 
-    inc = [os.path.dirname(nccl_h), cuda_inc]
-    cccl = os.path.join(cuda_inc, "cccl")
-    if os.path.isdir(cccl):
-        inc.append(cccl)
+    inc = list(dict.fromkeys(d for d in (os.path.dirname(nccl_h), cuda_inc, crt_inc, cccl_inc) if d))
     lib_dirs = [os.path.dirname(nccl_so)]
     libs = [":libnccl.so.2", "c10_cuda", "torch_cuda"]
     if cudart:

@@ -15,6 +15,15 @@ fraction of it. Writes JSON (--out) and, if matplotlib is there, a PNG plot.
 send_recv is a stream (rank 0 sends, rank 1 receives, back to back); ping_pong is a round trip
 between ranks 0 and 1 where each waits for the other's message before it answers (time per
 round trip; its busbw counts both messages), the latency a pipeline stage sees.
+
+On CUDA (--device cuda) every timing ends with torch.cuda.synchronize(), so a figure is issue plus
+completion on the GPU; "issue us" is the host time to enqueue one op (the loop before that sync),
+the host overhead of the backend. More ranks than GPUs share them: each rank then poses as a host
+of its own to NCCL (SHARED_GPU_NCCL_ENV), over loopback sockets, so busbw there measures NCCL's
+socket path, the same for myccl and the baseline.
+
+    python benchmarks/collbench.py --device cuda --world-size 2 \
+        --ops all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,send_recv --sizes 8,1M,16M,256M,1G
 """
 
 from __future__ import annotations
@@ -45,6 +54,42 @@ OPS = ["all_reduce", "all_reduce_bf16", "broadcast", "reduce", "all_gather", "re
 # costs both backends a few microseconds. Same backend op underneath.
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# Ranks sharing one GPU: NCCL refuses two ranks of one communicator on one device of one host, so
+# each rank gets a host identity of its own ("{rank}" is replaced) and talks over loopback
+# sockets, without the intra-host transports that assume distinct devices. tests/test_cuda.py
+# sets the same for its shared-GPU worlds.
+SHARED_GPU_NCCL_ENV = {
+    "NCCL_HOSTID": "host{rank}",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_NVLS_ENABLE": "0",
+}
+
+
+def share_gpus(rank: int, local_world: int) -> bool:
+    """Sets SHARED_GPU_NCCL_ENV in this process when the host's ranks outnumber its GPUs (before
+    any communicator exists; values already in the environment win). Returns whether it did."""
+    if local_world <= torch.cuda.device_count():
+        return False
+    for k, v in SHARED_GPU_NCCL_ENV.items():
+        os.environ.setdefault(k, v.replace("{rank}", str(rank)))
+    return True
+
+
+def cuda_problem() -> str | None:
+    """Why --device cuda cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return (f"torch {torch.__version__} sees no CUDA GPU"
+                + ("" if torch.version.cuda else " (a CPU-only build)"))
+    import c10d_ext
+
+    if not c10d_ext.build_info().get("with_nccl"):
+        return "c10d_ext was built without the NCCL engine (rebuild with MYCCL_WITH_NCCL=1)"
+    return None
 
 
 def parse_size(s: str) -> int:
@@ -182,8 +227,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def time_case(case: Case, device, trials: int, budget_s: float) -> float:
-    """Median seconds per op over `trials` runs of back-to-back ops (ranks agree on counts)."""
+def time_case(case: Case, device, trials: int, budget_s: float) -> tuple[float, float]:
+    """Median seconds per op over `trials` runs of back-to-back ops (ranks agree on counts), and
+    the median host time to issue one (before the closing sync; on CPU the two are the same)."""
     for _ in range(2):
         case()
     sync(device)
@@ -191,19 +237,25 @@ def time_case(case: Case, device, trials: int, budget_s: float) -> float:
     case()
     sync(device)
     one = time.perf_counter() - t0
-    est = torch.tensor([one], dtype=torch.float64)
+    # on the op's device: torch's nccl group takes no CPU tensors
+    est = torch.tensor([one], dtype=torch.float64, device=device)
     dist.all_reduce(est, op=dist.ReduceOp.MAX, group=case.group)  # every rank must run the same number of ops
-    iters = int(max(1, min(2000, budget_s / trials / max(est.item(), 1e-7))))
-    times = []
+    # On CUDA at most 256 ops in flight, below the launch queue's depth: past it, issuing blocks
+    # on the GPU and the issue time would measure the GPU instead of the host.
+    most = 256 if device.type == "cuda" else 2000
+    iters = int(max(1, min(most, budget_s / trials / max(est.item(), 1e-7))))
+    times, issue = [], []
     for _ in range(trials):
         dist.barrier(group=case.group)
         sync(device)
         t0 = time.perf_counter()
         for _ in range(iters):
             case()
+        t1 = time.perf_counter()
         sync(device)
         times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+        issue.append((t1 - t0) / iters)
+    return statistics.median(times), statistics.median(issue)
 
 
 def copy_bandwidth() -> float:
@@ -244,19 +296,14 @@ def run_rank(rank: int, world: int, args, port: int, device_type: str) -> list[d
     import c10d_ext  # noqa: F401
 
     if device_type == "cuda":
+        share_gpus(rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
     torch.set_num_threads(1)
     copy_bw = copy_bandwidth() if device_type == "cpu" else None
-    sizes = []
-    s = args.min_size
-    while s <= args.max_size:
-        sizes.append(s)
-        s *= args.step
-    if sizes and sizes[-1] < args.max_size:
-        sizes.append(args.max_size)  # the largest size always gets a row
+    sizes = size_list(args)
     rows = []
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     groups, kinds = {}, {}
@@ -289,7 +336,7 @@ def run_rank(rank: int, world: int, args, port: int, device_type: str) -> list[d
                         alloc = lambda numel, dt, be=be: be.allocate_tensor(numel, dtype=dt, device=device)  # noqa: E731
                     case = Case(op, nbytes, rank, world, device, alloc)
                 case.group = g
-                t = time_case(case, device, args.trials, args.budget)
+                t, t_issue = time_case(case, device, args.trials, args.budget)
                 ok = case.check() if args.check else None
                 if args.check:
                     flag = torch.tensor([0 if ok else 1], device=device)
@@ -297,14 +344,27 @@ def run_rank(rank: int, world: int, args, port: int, device_type: str) -> list[d
                     ok = flag.item() == 0
                 algbw = case.nbytes / t / 1e9 if op != "barrier" else 0.0
                 rows.append({"backend": label, "op": op, "bytes": case.nbytes if op != "barrier" else 0,
-                             "time_us": t * 1e6, "algbw_gbs": algbw, "busbw_gbs": algbw * bus_factor(op, world),
-                             "check": ok})
+                             "time_us": t * 1e6, "issue_us": t_issue * 1e6, "algbw_gbs": algbw,
+                             "busbw_gbs": algbw * bus_factor(op, world), "check": ok})
                 if rank == 0 and args.verbose:
                     print(f"{label:10} {op:16} {fmt_size(case.nbytes):>6} {t * 1e6:10.1f} us", flush=True)
     dist.destroy_process_group()
     if rank == 0:
         return [{"copy_gbs": copy_bw}] + rows
     return None
+
+
+def size_list(args) -> list[int]:
+    if args.sizes:
+        return args.sizes
+    sizes = []
+    s = args.min_size
+    while s <= args.max_size:
+        sizes.append(s)
+        s *= args.step
+    if sizes and sizes[-1] < args.max_size:
+        sizes.append(args.max_size)  # the largest size always gets a row
+    return sizes
 
 
 def _spawn_entry(rank, world, args, port, device_type, queue):
@@ -320,6 +380,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cuda_memory(args, world: int) -> tuple[int, int]:
+    """(bytes one GPU needs, bytes it has): per rank the largest op's input and output, the
+    result check's expectation, the previous size's tensors not yet freed, and NCCL's buffers
+    and context for two communicators; times the ranks that share the GPU."""
+    per_gpu = -(-world // torch.cuda.device_count())
+    largest = max(size_list(args))
+    need = per_gpu * (3.5 * largest + (1 << 30))
+    return int(need), torch.cuda.get_device_properties(0).total_memory
+
+
 def report(rows: list[dict], world: int, args, baseline: str) -> dict:
     copy_bw = rows[0]["copy_gbs"]
     rows = rows[1:]
@@ -328,9 +398,11 @@ def report(rows: list[dict], world: int, args, baseline: str) -> dict:
           + (f", one-core copy {copy_bw:.2f} GB/s" if copy_bw else ""))
     variants = [b for b in args.backends if b not in ("myccl", baseline)]
     has_base = baseline in args.backends  # --baseline none: no baseline columns
-    hdr = (f"{'op':16} {'size':>6} | {'myccl us':>10} {'busbw':>7} | "
+    cuda = args.device == "cuda"  # host time to issue an op differs from its time only there
+    hdr = (f"{'op':16} {'size':>6} | {'myccl us':>10} " + (f"{'issue':>7} " if cuda else "") + f"{'busbw':>7} | "
            + "".join(f"{v + ' us':>14} {'busbw':>7} | " for v in variants)
-           + (f"{baseline + ' us':>10} {'busbw':>7} | {'speedup':>7}" if has_base else "")
+           + (f"{baseline + ' us':>10} " + (f"{'issue':>7} " if cuda else "") + f"{'busbw':>7} | {'speedup':>7}"
+              if has_base else "")
            + ("  bus/copy" if copy_bw else "") + ("  check" if args.check else ""))
     print(hdr)
     print("-" * len(hdr))
@@ -341,12 +413,13 @@ def report(rows: list[dict], world: int, args, baseline: str) -> dict:
         b = by.get((baseline, r["op"], r["bytes"]))
         speed = b["time_us"] / r["time_us"] if b else float("nan")
         vrows = {v: by.get((v, r["op"], r["bytes"])) for v in variants}
+        nan = float("nan")
         line = (f"{r['op']:16} {fmt_size(r['bytes']) if r['op'] != 'barrier' else '-':>6} | "
-                f"{r['time_us']:10.1f} {r['busbw_gbs']:7.2f} | "
-                + "".join(f"{(v['time_us'] if v else float('nan')):14.1f} {(v['busbw_gbs'] if v else float('nan')):7.2f} | "
+                f"{r['time_us']:10.1f} " + (f"{r['issue_us']:7.1f} " if cuda else "") + f"{r['busbw_gbs']:7.2f} | "
+                + "".join(f"{(v['time_us'] if v else nan):14.1f} {(v['busbw_gbs'] if v else nan):7.2f} | "
                           for v in vrows.values())
-                + (f"{(b['time_us'] if b else float('nan')):10.1f} {(b['busbw_gbs'] if b else float('nan')):7.2f} | "
-                   f"{speed:6.1f}x" if has_base else ""))
+                + (f"{(b['time_us'] if b else nan):10.1f} " + (f"{(b['issue_us'] if b else nan):7.1f} " if cuda else "")
+                   + f"{(b['busbw_gbs'] if b else nan):7.2f} | {speed:6.1f}x" if has_base else ""))
         if copy_bw:
             line += f"  {r['busbw_gbs'] / copy_bw:8.2f}"
         if args.check:
@@ -355,6 +428,7 @@ def report(rows: list[dict], world: int, args, baseline: str) -> dict:
         print(line)
         table.append({**r, **{f"{v}_time_us": (vr["time_us"] if vr else None) for v, vr in vrows.items()},
                       "baseline_time_us": b["time_us"] if b else None,
+                      "baseline_issue_us": b["issue_us"] if b else None,
                       "baseline_busbw_gbs": b["busbw_gbs"] if b else None, "speedup": speed})
     return {"world_size": world, "device": args.device, "baseline": baseline, "copy_gbs": copy_bw,
             "torch": torch.__version__, "rows": table, "raw": rows}
@@ -368,6 +442,7 @@ def main() -> None:
     ap.add_argument("--min-size", type=parse_size, default=8)
     ap.add_argument("--max-size", type=parse_size, default=256 << 20)
     ap.add_argument("--step", type=int, default=4, help="size multiplier between rows")
+    ap.add_argument("--sizes", default=None, help="explicit sizes, comma-separated (8,1M,1G): instead of min/max/step")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--budget", type=float, default=0.25, help="seconds of timed ops per row and backend")
     ap.add_argument("--baseline", default=None, help="default: gloo on cpu, nccl on cuda; 'none' skips it")
@@ -380,6 +455,20 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     args.ops = [o for o in args.ops.split(",") if o]
+    unknown_ops = [o for o in args.ops if o not in OPS]
+    if unknown_ops:
+        ap.error(f"unknown ops {unknown_ops}; known: {', '.join(OPS)}")
+    args.sizes = [parse_size(x) for x in args.sizes.split(",") if x] if args.sizes else None
+    if args.device == "cuda":
+        problem = cuda_problem()
+        if problem:
+            sys.exit(f"collbench: --device cuda: {problem}")
+        if "RANK" not in os.environ:
+            need, have = cuda_memory(args, args.world_size)
+            if need > have:
+                sys.exit(f"collbench: --device cuda: sizes up to {fmt_size(max(size_list(args)))} with "
+                         f"{args.world_size} ranks on {torch.cuda.device_count()} GPU(s) need about "
+                         f"{need / 2**30:.1f} GiB per GPU, {have / 2**30:.1f} GiB are there")
     baseline = args.baseline or ("nccl" if args.device == "cuda" else "gloo")
     extra = [v for v in args.variants.split(",") if v]
     for v in extra:

@@ -682,3 +682,20 @@ def _assert_reports(results):
     checks = sum(c for c, _ in results)
     assert checks > 0
     assert not failures, f"{len(failures)} of {checks} checks failed:\n" + "\n".join(failures[:40])
+
+
+# ---- world size N (MYCCL_TEST_CUDA_WORLD=N) --------------------------------------------------
+# Kept apart on purpose (scripts/gpu_check.sh sets it on machines with several GPUs): every op at
+# world size N against torch's nccl, one GPU per rank when there are N GPUs (NCCL's own transports
+# between them), else ranks sharing GPUs as above. Unset: skipped.
+import os  # noqa: E402
+
+CUDA_WORLD = int(os.environ.get("MYCCL_TEST_CUDA_WORLD") or 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(CUDA_WORLD < 2, reason="MYCCL_TEST_CUDA_WORLD=N (N >= 2) not set")
+@pytest.mark.parametrize("body", BODIES, ids=[b.__name__[5:] for b in BODIES])
+def test_world_n_vs_nccl(run, body):
+    env = {"NCCL_DEBUG": "WARN"} if torch.cuda.device_count() >= CUDA_WORLD else SHARED_GPU
+    _assert_reports(run(CUDA_WORLD, body, True, timeout=420, world_env=env))
