@@ -688,8 +688,6 @@ def _assert_reports(results):
 # Kept apart on purpose (scripts/gpu_check.sh sets it on machines with several GPUs): every op at
 # world size N against torch's nccl, one GPU per rank when there are N GPUs (NCCL's own transports
 # between them), else ranks sharing GPUs as above. Unset: skipped.
-import os  # noqa: E402
-
 CUDA_WORLD = int(os.environ.get("MYCCL_TEST_CUDA_WORLD") or 0)
 
 
