@@ -35,7 +35,7 @@ std::shared_ptr<cuda::testdouble::Machine> cudaDoubleMachine(const Config& cfg) 
 std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_ptr<c10d::Store> store,
                                        const std::string& keyPrefix, int rank, int size, const std::string& group,
                                        const Config& cfg, std::chrono::milliseconds timeout,
-                                       std::shared_ptr<AbortHooks> hooks) {
+                                       std::shared_ptr<AbortHooks> hooks, std::shared_ptr<Recorder> recorder) {
   cuda::Runtime rt;
   if (cfg.testCudaDouble) {
     rt = cuda::testdouble::runtime(cudaDoubleMachine(cfg),
@@ -48,7 +48,7 @@ std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_
 #endif
   }
   return std::make_shared<cuda::NcclEngine>(std::move(store), keyPrefix, rank, size, group, cfg, timeout, std::move(rt),
-                                            std::move(hooks));
+                                            std::move(hooks), std::move(recorder));
 }
 
 std::string ncclRuntimeVersion() {

@@ -199,7 +199,7 @@ Engine& MycclBackend::cudaEngine(const char* op) {
   std::lock_guard<std::mutex> lk(cudaMu_);
   if (!cuda_) {
     cuda_ = makeCudaEngine(where(op), store_, cpu_->keyPrefix(), rank_, size_, group_, cfg_, timeout_.load(),
-                           abortHooks_);
+                           abortHooks_, recorder_);
     // Created inside a coalescing block: group this op with the rest of the block.
     std::lock_guard<std::mutex> clk(coalesceMu_);
     if (coalescing_) cuda_->startCoalescing();

@@ -415,3 +415,56 @@ def test_communicator_creation_names_the_missing_rank(run, mode):
     assert res["err"] is not None and res["dist_error"], res
     assert "Timed out after 2000 ms waiting for rank(s) 1 to reach its first CUDA op" in res["err"], res["err"]
     assert res["elapsed"] < 20, res
+
+
+def body_flight_recorder(ctx, mode, dump_dir):
+    """CUDA ops are in the group's flight recorder (and hence the timeline), with their state;
+    a timed-out op dumps it and the error says where."""
+    import c10d_ext
+
+    dev = _device(ctx, mode)
+    ctx.init(timeout=2.0, pg_options=c10d_ext.Options(async_error_handling=2, flight_recorder_dump=dump_dir))
+    rep = Report(ctx, mode)
+    t = _full(100, 1, dev)
+    dist.all_reduce(t)
+    dist.broadcast(t, src=0)
+    peer = 1 - ctx.rank
+    got = torch.zeros(3, device=dev)
+    for w in [dist.isend(_full(3, 1, dev), dst=peer), dist.irecv(got, src=peer)]:
+        w.wait()
+    sync(mode)
+    backend = dist.group.WORLD._get_backend(torch.device("cuda") if mode == "gpu" else torch.device("cpu"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        recs = backend.flight_recorder()
+        if recs and all(r["state"] == "completed" for r in recs):
+            break
+        time.sleep(0.05)
+    ops = [(r["op"].split(" ")[0], r["transport"], r["state"], r["p2p"]) for r in recs]
+    rep.check(ops[:4] == [("all_reduce", "nccl", "completed", False), ("broadcast", "nccl", "completed", False),
+                          ("send", "nccl", "completed", True), ("recv", "nccl", "completed", True)],
+              f"flight recorder: {ops}")
+    store = ctx.store("fr")
+    if ctx.rank == 1:
+        store.wait(["done"], timedelta(seconds=60))
+        return rep.checks, rep.failures
+    w = dist.all_reduce(t, async_op=True)
+    err = ""
+    try:
+        start = time.monotonic()
+        while not w.is_completed() and time.monotonic() - start < 30:
+            time.sleep(0.02)
+        w.wait()
+    except Exception as e:  # noqa: BLE001
+        err = str(e)
+    store.set("done", "1")
+    rep.check("Timed out after 2000 ms" in err and "[flight recorder: " + dump_dir in err, f"error: {err}")
+    last = backend.flight_recorder()[-1]
+    rep.check(last["state"] == "failed" and "Timed out" in last["error"], f"last record: {last}")
+    return rep.checks, rep.failures
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_flight_recorder_has_cuda_ops(run, mode, tmp_path):
+    _assert_reports(run(2, body_flight_recorder, mode, str(tmp_path), timeout=120, world_env=FAULTS[mode]))
+    assert any(tmp_path.iterdir()), "no flight recorder dump was written"

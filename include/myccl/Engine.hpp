@@ -15,6 +15,7 @@
 
 #include "myccl/AbortHooks.hpp"
 #include "myccl/Config.hpp"
+#include "myccl/Recorder.hpp"
 #include "myccl/Reduction.hpp"
 #include "myccl/Work.hpp"
 
@@ -69,7 +70,7 @@ class Engine {
 std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_ptr<c10d::Store> store,
                                        const std::string& keyPrefix, int rank, int size, const std::string& group,
                                        const Config& cfg, std::chrono::milliseconds timeout,
-                                       std::shared_ptr<AbortHooks> hooks);
+                                       std::shared_ptr<AbortHooks> hooks, std::shared_ptr<Recorder> recorder);
 // The process's CUDA test double, made with cfg's MYCCL_TEST_CUDA_DOUBLE_* settings on first use
 // (by the first engine, or by a test selecting a device before any group exists).
 std::shared_ptr<cuda::testdouble::Machine> cudaDoubleMachine(const Config& cfg);

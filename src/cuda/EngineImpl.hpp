@@ -234,7 +234,8 @@ struct SelfPost {
 
 struct NcclEngine::Impl {
   Impl(c10::intrusive_ptr<c10d::Store> s, std::string keyPrefix, int r, int n, std::string g, const Config& c,
-       std::chrono::milliseconds t, Runtime runtime, std::shared_ptr<AbortHooks> hooks);
+       std::chrono::milliseconds t, Runtime runtime, std::shared_ptr<AbortHooks> hooks,
+       std::shared_ptr<Recorder> rec);
 
   c10::intrusive_ptr<c10d::Store> store;
   const std::string prefix;  // this incarnation's key space for NCCL ids
@@ -249,6 +250,7 @@ struct NcclEngine::Impl {
   std::atomic<std::chrono::milliseconds> timeout;
   std::atomic<bool> timeoutFixed;
   std::shared_ptr<Watchdog> watchdog;
+  std::shared_ptr<Recorder> recorder;
 
   // Serialises issuing: NCCL groups are per thread, and ops must reach NCCL in issue order.
   // Never taken by abort(), which must work while an issuing thread is stuck.
@@ -288,8 +290,13 @@ struct NcclEngine::Impl {
 
   NcclWorkPtr makeWork(const OpInfo& info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                        c10::Device device) {
-    return c10::make_intrusive<NcclWork>(info, std::move(inputs), std::move(outputs), device, rt.device, watchdog,
-                                         cfg.blockingWait);
+    auto w = c10::make_intrusive<NcclWork>(info, std::move(inputs), std::move(outputs), device, rt.device, watchdog,
+                                           cfg.blockingWait);
+    if (recorder) {
+      const bool p2p = info.type == c10d::OpType::SEND || info.type == c10d::OpType::RECV;
+      w->setRecord(recorder, recorder->queued(info, p2p));
+    }
+    return w;
   }
 
   // ---- communicators (Comms.cpp) ----

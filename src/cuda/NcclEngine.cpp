@@ -10,7 +10,7 @@ namespace myccl::cuda {
 
 NcclEngine::Impl::Impl(c10::intrusive_ptr<c10d::Store> s, std::string keyPrefix, int r, int n, std::string g,
                        const Config& c, std::chrono::milliseconds t, Runtime runtime,
-                       std::shared_ptr<AbortHooks> hooks)
+                       std::shared_ptr<AbortHooks> hooks, std::shared_ptr<Recorder> rec)
     : store(std::move(s)),
       prefix(std::move(keyPrefix)),
       rank(r),
@@ -20,12 +20,15 @@ NcclEngine::Impl::Impl(c10::intrusive_ptr<c10d::Store> s, std::string keyPrefix,
       rt(std::move(runtime)),
       dev(*rt.device),
       timeout(t),
-      timeoutFixed(t.count() > 0) {
+      timeoutFixed(t.count() > 0),
+      recorder(std::move(rec)) {
   if (!timeoutFixed) timeout = store->getTimeout();
   WatchdogPolicy policy;
   policy.handling = static_cast<ErrorHandling>(cfg.asyncErrorHandling);
   policy.blockingWait = cfg.blockingWait;
   policy.hooks = std::move(hooks);
+  policy.recorder = recorder;
+  policy.dumpDir = cfg.flightRecorderDump;
   watchdog = std::make_shared<Watchdog>(rank, group, rt.device, policy);
   // The watchdog's thread starts with the first communicator, on that communicator's device.
 }
@@ -209,9 +212,9 @@ NcclEngine::WorkPtr NcclEngine::Impl::postSelf(const OpInfo& info, at::Tensor t,
 
 NcclEngine::NcclEngine(c10::intrusive_ptr<c10d::Store> store, std::string keyPrefix, int rank, int size,
                        std::string group, const Config& cfg, std::chrono::milliseconds timeout, Runtime runtime,
-                       std::shared_ptr<AbortHooks> hooks)
+                       std::shared_ptr<AbortHooks> hooks, std::shared_ptr<Recorder> recorder)
     : impl_(std::make_unique<Impl>(std::move(store), std::move(keyPrefix), rank, size, std::move(group), cfg, timeout,
-                                   std::move(runtime), std::move(hooks))) {}
+                                   std::move(runtime), std::move(hooks), std::move(recorder))) {}
 
 NcclEngine::~NcclEngine() {
   if (!impl_->closed) abort("the process group was destroyed without shutdown()");

@@ -40,6 +40,7 @@ void NcclWork::launched(std::shared_ptr<Event> start, std::shared_ptr<Event> end
   captured_ = captured;
   setDeadline(std::chrono::steady_clock::now() + info_.timeout);
   markStarted();
+  if (recorder_) recorder_->started(record_);
   launched_.store(true, std::memory_order_release);
   if (streamOrdered_) {
     // Completed now, not when the device is done: the future's events are recorded on `stream`,
@@ -57,6 +58,19 @@ void NcclWork::launched(std::shared_ptr<Event> start, std::shared_ptr<Event> end
 }
 
 void NcclWork::settleFuture(std::exception_ptr error) {
+  if (recorder_) {
+    std::string why;
+    if (error) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const c10::Error& e) {
+        why = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+    }
+    recorder_->ended(record_, "nccl", "nccl", 0, why);
+  }
   if (!streamOrdered_) {
     MycclWork::settleFuture(error);
     return;

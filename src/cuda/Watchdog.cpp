@@ -155,6 +155,12 @@ void Watchdog::poll() {
   if (tracked_.empty()) idleCv_.notify_all();
 }
 
+std::string Watchdog::dump(const std::string& why) const {
+  if (!policy_.recorder) return {};
+  const std::string path = policy_.recorder->dumpTo(policy_.dumpDir, why);
+  return path.empty() ? std::string() : " [flight recorder: " + path + "]";
+}
+
 void Watchdog::failFromWatchdog(const std::string& why, bool timedOut, NcclWork* culprit) {
   const bool takeDownProcess = !policy_.blockingWait && (policy_.handling == ErrorHandling::TearDown ||
                                                          policy_.handling == ErrorHandling::SkipCleanUp);
@@ -169,7 +175,7 @@ void Watchdog::failFromWatchdog(const std::string& why, bool timedOut, NcclWork*
     timedOut_ = timedOut;
   }
   if (policy_.hooks) policy_.hooks->run(why);
-  takeDown(why);
+  takeDown(why + dump(why));
 }
 
 void Watchdog::takeDown(const std::string& why) {
@@ -205,7 +211,8 @@ void Watchdog::takeDown(const std::string& why) {
   std::abort();
 }
 
-void Watchdog::fail(const std::string& why, bool timedOut, NcclWork* culprit, bool userAbort) {
+void Watchdog::fail(const std::string& whyGiven, bool timedOut, NcclWork* culprit, bool userAbort) {
+  std::string why = whyGiven;
   std::vector<c10::intrusive_ptr<NcclWork>> works;
   std::vector<std::shared_ptr<NcclComm>> comms;
   std::string first;
@@ -222,6 +229,15 @@ void Watchdog::fail(const std::string& why, bool timedOut, NcclWork* culprit, bo
     works.swap(tracked_);
   }
   idleCv_.notify_all();
+  if (firstFailure && !userAbort) {
+    const std::string where = dump(why);
+    if (!where.empty()) {
+      why += where;
+      std::lock_guard<std::mutex> lk(mu_);
+      failure_ = why;
+      first = why;
+    }
+  }
   // Hooks before the abort: they may want to look at the state of the communicators.
   if (firstFailure && !userAbort && policy_.hooks) policy_.hooks->run(why);
   // Abort before reporting: once a caller sees the error, no kernel of this group still

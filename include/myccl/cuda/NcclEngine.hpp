@@ -15,6 +15,7 @@
 
 #include "myccl/AbortHooks.hpp"
 #include "myccl/Engine.hpp"
+#include "myccl/Recorder.hpp"
 #include "myccl/cuda/Runtime.hpp"
 
 namespace myccl::cuda {
@@ -27,7 +28,7 @@ class NcclEngine final : public Engine {
   // carry their own timeout in OpInfo.) `hooks` run before the group aborts on a failure.
   NcclEngine(c10::intrusive_ptr<c10d::Store> store, std::string keyPrefix, int rank, int size, std::string group,
              const Config& cfg, std::chrono::milliseconds timeout, Runtime runtime,
-             std::shared_ptr<AbortHooks> hooks);
+             std::shared_ptr<AbortHooks> hooks, std::shared_ptr<Recorder> recorder);
   ~NcclEngine() override;
 
   // Every op: tensors are CUDA tensors on one device, already validated by the backend.

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <memory>
 
+#include "myccl/Recorder.hpp"
 #include "myccl/Work.hpp"
 #include "myccl/cuda/Runtime.hpp"
 
@@ -29,6 +30,11 @@ class NcclWork final : public MycclWork {
   // ---- engine side ----
   // Barrier semantics: wait() also blocks the host until the op finished on the device.
   void setHostSync() { hostSync_ = true; }
+  // Its flight-recorder entry (queued now; started at launch, ended when done).
+  void setRecord(std::shared_ptr<Recorder> recorder, uint64_t id) {
+    recorder_ = std::move(recorder);
+    record_ = id;
+  }
   // Held back in an open coalescing block: issued (and covered) by the block's own Work.
   void setInBlock() { inBlock_ = true; }
   // The op (or the coalesced batch holding it) is on `stream`; `end` was recorded after it
@@ -88,6 +94,8 @@ class NcclWork final : public MycclWork {
   // Written once before launched_ is released.
   std::shared_ptr<Event> start_, end_;
   std::shared_ptr<NcclComm> comm_;
+  std::shared_ptr<Recorder> recorder_;
+  uint64_t record_ = 0;
   bool captured_ = false;
   std::atomic<std::chrono::steady_clock::rep> deadline_{0};
   std::atomic<bool> launched_{false};

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "myccl/AbortHooks.hpp"
+#include "myccl/Recorder.hpp"
 #include "myccl/Work.hpp"
 #include "myccl/cuda/Runtime.hpp"
 
@@ -44,6 +45,9 @@ struct WatchdogPolicy {
   std::shared_ptr<AbortHooks> hooks;
   // Bounds the communicators' abort when the process is taken down after it.
   std::chrono::milliseconds abortBound{10000};
+  // The group's flight recorder, dumped into `dumpDir` on the first failure.
+  std::shared_ptr<Recorder> recorder;
+  std::string dumpDir;
 };
 
 class Watchdog {
@@ -86,6 +90,8 @@ class Watchdog {
   // A failure the watchdog itself found (timeout, asynchronous error, device error).
   void failFromWatchdog(const std::string& why, bool timedOut, NcclWork* culprit);
   [[noreturn]] void takeDown(const std::string& why);
+  // Dumps the flight recorder; returns " [flight recorder: <path>]" or "".
+  std::string dump(const std::string& why) const;
 
   const int rank_;
   const std::string group_;
