@@ -60,6 +60,11 @@ if BACKEND_NAME not in dist.Backend.backend_list:
     )
 
 
+# batch_isend_irecv and coalesced collectives: a block whose body raises leaves nothing behind.
+from . import _coalescing  # noqa: E402
+
+_coalescing.install()
+
 _env = _parse_env()
 if _env["trace"]:
     trace.start(_env["trace"])

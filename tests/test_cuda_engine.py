@@ -285,6 +285,23 @@ def body_coalescing(ctx, mode):
     t = _full(7, 1, dev)
     dist.all_reduce(t)
     rep.check(torch.equal(t.cpu(), _full(7, n, "cpu")), "all_reduce after a failed batch")
+    # The body of a block raises (torch's manager then never ends it): what it held is dropped,
+    # and the group's next ops run at once instead of joining the dead block.
+    held = torch.zeros(5, device=dev)
+    try:
+        with dist.distributed_c10d._coalescing_manager(device=dev, async_ops=True):
+            dist.irecv(held, src=prv)
+            raise KeyError("the user's code failed inside the block")
+    except KeyError:
+        pass
+    t = _full(9, 2, dev)
+    dist.all_reduce(t)
+    rep.check(torch.equal(t.cpu(), _full(9, 2 * n, "cpu")), f"all_reduce after a block that raised: {t.tolist()}")
+    got = torch.zeros(4, device=dev)
+    for w in [dist.isend(_full(4, r, dev), dst=nxt), dist.irecv(got, src=prv)]:
+        w.wait()
+    rep.check(torch.equal(got.cpu(), _full(4, prv, "cpu")), "send/recv after a block that raised")
+    rep.check(torch.equal(held.cpu(), torch.zeros(5)), "the abandoned receive wrote nothing")
     return rep.result()
 
 

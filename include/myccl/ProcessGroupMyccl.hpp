@@ -128,6 +128,9 @@ class MycclBackend final : public c10d::Backend {
   std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> stats() const;
   void resetStats();
   const std::shared_ptr<Recorder>& recorder() const { return recorder_; }
+  // A coalescing block that torch will never end (its body raised) or that a new block replaced:
+  // its held ops fail with `why` and the group leaves coalescing mode. No-op outside a block.
+  void abandonCoalescing(const std::string& why);
 
  private:
   // `op` is torch's name of the op, a string literal (it becomes OpInfo::name).
@@ -144,9 +147,6 @@ class MycclBackend final : public c10d::Backend {
   // The device a barrier orders, as torch's nccl picks it: device_ids[0], else the group's bound
   // device, else the device of the CUDA engine's latest op; none: a CPU barrier.
   std::optional<at::Device> barrierDevice(const c10d::BarrierOptions& opts);
-  // A coalescing block whose ops raised (torch then never calls end_coalescing) or that a new
-  // block replaced: its held ops fail with `why` and the group leaves coalescing mode.
-  void abandonCoalescing(const std::string& why);
   friend class CoalescingGuard;
 
   const std::string group_;

@@ -146,6 +146,8 @@ PYBIND11_MODULE(_C, m) {
             return b.recorder()->dumpTo(dir, reason);
           },
           py::arg("dir"), py::arg("reason") = "requested")
+      .def("_abandon_coalescing", &myccl::MycclBackend::abandonCoalescing, py::arg("why"),
+           py::call_guard<py::gil_scoped_release>())
       .def("stats", &myccl::MycclBackend::stats)
       .def("reset_stats", &myccl::MycclBackend::resetStats);
 
