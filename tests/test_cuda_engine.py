@@ -485,3 +485,24 @@ def body_flight_recorder(ctx, mode, dump_dir):
 def test_flight_recorder_has_cuda_ops(run, mode, tmp_path):
     _assert_reports(run(2, body_flight_recorder, mode, str(tmp_path), timeout=120, world_env=FAULTS[mode]))
     assert any(tmp_path.iterdir()), "no flight recorder dump was written"
+
+
+def body_eager_device_id(ctx):
+    """init_process_group(device_id=...) makes the group's communicator during init (torch 2.14+
+    binds the device when it registers the backend), and the first op uses it."""
+    dev = _device(ctx, "gpu")
+    import c10d_ext  # noqa: F401
+
+    dist.init_process_group("myccl", store=ctx.store("eager"), rank=ctx.rank, world_size=ctx.size,
+                            timeout=timedelta(seconds=60), device_id=dev)
+    rep = Report(ctx, "gpu")
+    t = _full(10, ctx.rank + 1, dev)
+    dist.all_reduce(t)
+    rep.check(torch.equal(t.cpu(), _full(10, sum(range(1, ctx.size + 1)), "cpu")), "all_reduce after eager init")
+    dist.barrier()  # on the bound device
+    return rep.result()
+
+
+@pytest.mark.cuda
+def test_eager_init_with_device_id(run):
+    _assert_reports(run(2, body_eager_device_id, timeout=120, world_env=WORLD["gpu"]))
