@@ -200,6 +200,14 @@ Engine& MycclBackend::cudaEngine(const char* op) {
   if (!cuda_) {
     cuda_ = makeCudaEngine(where(op), store_, cpu_->keyPrefix(), rank_, size_, group_, cfg_, timeout_.load(),
                            abortHooks_, recorder_);
+    if (cfg_.debugDetail && size_ > 1) {
+      cpu::CpuEngine* cpu = cpu_.get();
+      cuda_->setAgreement([cpu](const OpInfo& i) {
+        OpInfo check = i;
+        check.op = "desync check of " + i.op;
+        cpu->agree(std::move(check));
+      });
+    }
     // Created inside a coalescing block: group this op with the rest of the block.
     std::lock_guard<std::mutex> clk(coalesceMu_);
     if (coalescing_) cuda_->startCoalescing();

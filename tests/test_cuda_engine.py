@@ -506,3 +506,30 @@ def body_eager_device_id(ctx):
 @pytest.mark.cuda
 def test_eager_init_with_device_id(run):
     _assert_reports(run(2, body_eager_device_id, timeout=120, world_env=WORLD["gpu"]))
+
+
+def body_desync_detail(ctx, mode):
+    """MYCCL_DEBUG=DETAIL: ranks that call different CUDA collectives get an error naming what
+    each called, before NCCL is asked (instead of a hung kernel)."""
+    dev, _ = _init(ctx, mode=mode, timeout=20.0, debug_detail=True, async_error_handling=2)
+    t = _full(8, 1, dev)
+    dist.all_reduce(t)  # agreed: runs
+    ok = torch.equal(t.cpu(), _full(8, ctx.size, "cpu"))
+    err = None
+    try:
+        if ctx.rank == 0:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, src=0)
+    except Exception as e:  # noqa: BLE001
+        err = f"{type(e).__name__}: {e}"
+    return {"ok": ok, "err": err}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_desync_detail_names_what_each_rank_called(run, mode):
+    for res in run(2, body_desync_detail, mode, timeout=120, world_env=FAULTS[mode]):
+        assert res["ok"], res
+        err = res["err"] or ""
+        assert "ranks called different collectives" in err, err
+        assert "ranks [0] called desync check of all_reduce #2" in err and "ranks [1] called desync check of broadcast #2" in err, err

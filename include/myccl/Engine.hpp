@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +58,9 @@ class Engine {
   virtual void eagerConnect(at::Device device) {}
   // The device of the latest op (-1 before any, or for the CPU engine).
   virtual int lastDevice() const { return -1; }
+  // MYCCL_DEBUG=DETAIL for engines that cannot check agreement themselves: `agree` runs the
+  // cross-rank check of an op over the CPU engine's links before it is issued.
+  virtual void setAgreement(std::function<void(const OpInfo&)> agree) {}
   virtual void setTimeout(std::chrono::milliseconds timeout) {}
   virtual void abort(const std::string& why) = 0;  // no waiting for peers
   virtual void shutdown() = 0;                      // finish queued work, then leave

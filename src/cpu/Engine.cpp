@@ -611,6 +611,13 @@ CpuEngine::WorkPtr CpuEngine::alltoall(OpInfo info, std::vector<at::Tensor> inpu
   });
 }
 
+void CpuEngine::agree(OpInfo info) {
+  // The fingerprint names the op as the other engine will run it; the record says what ran here.
+  info.asyncOp = false;
+  auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{}, std::vector<at::Tensor>{});
+  enqueue(w, OpCode::Fingerprint, [](CollCtx&) {})->wait();
+}
+
 CpuEngine::WorkPtr CpuEngine::barrier(OpInfo info, at::Device /*device*/) {
   auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{}, std::vector<at::Tensor>{});
   return enqueue(w, OpCode::Barrier, [](CollCtx& c) { cpu::barrier(c); });

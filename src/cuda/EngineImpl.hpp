@@ -251,6 +251,7 @@ struct NcclEngine::Impl {
   std::atomic<bool> timeoutFixed;
   std::shared_ptr<Watchdog> watchdog;
   std::shared_ptr<Recorder> recorder;
+  std::function<void(const OpInfo&)> agree;  // MYCCL_DEBUG=DETAIL's cross-rank check (set once, at creation)
 
   // Serialises issuing: NCCL groups are per thread, and ops must reach NCCL in issue order.
   // Never taken by abort(), which must work while an issuing thread is stuck.

@@ -113,6 +113,7 @@ NcclEngine::WorkPtr NcclEngine::Impl::submit(const OpInfo& info, c10::Device dev
                                              std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                                              std::function<void(Launch&)> prepare, Target target, bool hostSync) {
   checkOpen(info);
+  if (agree && target.kind == Target::Group) agree(info);
   if (!timeoutFixed) timeout = info.timeout;
   auto work = makeWork(info, inputs, outputs, device);
   if (hostSync) work->setHostSync();
@@ -223,6 +224,10 @@ NcclEngine::~NcclEngine() {
 
 const Runtime& NcclEngine::runtime() const {
   return impl_->rt;
+}
+
+void NcclEngine::setAgreement(std::function<void(const OpInfo&)> agree) {
+  impl_->agree = std::move(agree);
 }
 
 int NcclEngine::lastDevice() const {

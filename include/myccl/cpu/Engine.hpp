@@ -77,6 +77,10 @@ class CpuEngine final : public Engine {
   // rank 0, which names the ranks that did not arrive within info.timeout (the first one, or all
   // of them with waitAllRanks), then releases them. `serial` numbers the calls (MonitoredBarrier.cpp).
   void monitoredBarrier(const OpInfo& info, uint64_t serial, bool waitAllRanks);
+  // MYCCL_DEBUG=DETAIL for ops another engine runs (CUDA): the same cross-rank fingerprint
+  // check, over this group's links, before that engine issues the op. Blocks; raises (and fails
+  // this group, as a CPU op's mismatch does) when the ranks called different ops.
+  void agree(OpInfo info);
   // Run before the group aborts after a failed op (Backend::registerAbortHook).
   void setAbortHooks(std::shared_ptr<AbortHooks> hooks) { abortHooks_ = std::move(hooks); }
 

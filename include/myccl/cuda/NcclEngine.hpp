@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,9 @@ class NcclEngine final : public Engine {
 
   void eagerConnect(at::Device device) override;
   int lastDevice() const override;
+  // MYCCL_DEBUG=DETAIL: called with every collective before it is issued (or held in a block);
+  // raises when the ranks disagree about the op, so a desync is an error, not a hung kernel.
+  void setAgreement(std::function<void(const OpInfo&)> agree) override;
   void setTimeout(std::chrono::milliseconds timeout) override;
   void abort(const std::string& why) override;
   void shutdown() override;
