@@ -20,6 +20,9 @@
 
 namespace myccl {
 
+namespace cuda {
+class Device;
+}
 namespace cuda::testdouble {
 class Machine;
 }
@@ -56,6 +59,9 @@ class Engine {
   virtual void eagerConnect(at::Device device) {}
   // The device of the latest op (-1 before any, or for the CPU engine).
   virtual int lastDevice() const { return -1; }
+  // The CUDA engine's device seam (Runtime.hpp; null for the CPU engine), for callers that order
+  // their own device work with the engine's streams (the DDP Reducer).
+  virtual std::shared_ptr<cuda::Device> deviceSeam() const { return nullptr; }
   virtual void setTimeout(std::chrono::milliseconds timeout) {}
   virtual void abort(const std::string& why) = 0;  // no waiting for peers
   virtual void shutdown() = 0;                      // finish queued work, then leave

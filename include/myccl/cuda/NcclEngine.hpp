@@ -58,6 +58,7 @@ class NcclEngine final : public Engine {
 
   void eagerConnect(at::Device device) override;
   int lastDevice() const override;
+  std::shared_ptr<Device> deviceSeam() const override;
   void setTimeout(std::chrono::milliseconds timeout) override;
   void abort(const std::string& why) override;
   void shutdown() override;
