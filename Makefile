@@ -20,7 +20,7 @@ test: setup
 # What CI also runs against the oldest supported torch: the collective matrix, DDP (ours and
 # torch's) and the CUDA tests, which skip without a GPU but still import and collect.
 test-compat: setup
-	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py tests/test_ddp.py tests/test_cuda.py
+	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py tests/test_ddp.py tests/test_ddp_cuda.py tests/test_cuda.py
 
 bench: setup
 	$(VENV)/bin/python benchmarks/collbench.py --world-size 2

@@ -21,6 +21,22 @@ def current_device() -> int:
     return _C._cuda_double_current_device(make_config())
 
 
+def new_stream() -> int:
+    """A new stream on the calling thread's simulated device (torch.cuda.Stream()); its id."""
+    return _C._cuda_double_new_stream(make_config())
+
+
+def current_stream() -> int:
+    """The id of the calling thread's current stream on its device (0: the default stream)."""
+    return _C._cuda_double_current_stream(make_config())
+
+
+def set_stream(stream_id: int) -> None:
+    """Makes stream `stream_id` of the calling thread's device its current stream
+    (torch.cuda.set_stream); tensor ops still run on the host, engine work lands on it."""
+    _C._cuda_double_set_stream(int(stream_id), make_config())
+
+
 def synchronize() -> None:
     """Waits until every simulated stream has run what it holds (torch.cuda.synchronize)."""
     _C._cuda_double_synchronize(make_config())

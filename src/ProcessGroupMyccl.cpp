@@ -142,7 +142,7 @@ bool MycclBackend::isCuda(const char* op, const std::vector<at::Tensor>& tensors
     MYCCL_CHECK_ARG(t.layout() == at::kStrided, where(op), ": tensor ", i, " has layout ", t.layout(),
                     "; only dense (strided) tensors are supported here");
   }
-  if (first.is_cpu()) return cfg_.testCudaDouble;
+  if (first.is_cpu()) return onDevice(tensors[0]);
   MYCCL_CHECK_ARG(first.is_cuda(), where(op), ": tensors on ", first, " are not supported (cpu and cuda only)");
   MYCCL_CHECK_ARG(cudaEngineBuilt(), where(op), ": got a CUDA tensor (", describe(tensors[0]),
                   ") but this myccl build has no NCCL engine; rebuild with MYCCL_WITH_NCCL=1 against a CUDA build "
@@ -215,6 +215,12 @@ Engine& MycclBackend::cudaEngine(const char* op) {
   return *cuda_;
 }
 
+std::shared_ptr<cuda::Device> MycclBackend::cudaDevice() {
+  auto device = cudaEngine("ddp").deviceSeam();
+  MYCCL_CHECK(device != nullptr, where("ddp"), ": the CUDA engine has no device seam");
+  return device;
+}
+
 std::vector<Engine*> MycclBackend::engines() {
   std::vector<Engine*> out;
   if (cpu_) out.push_back(cpu_.get());
@@ -258,6 +264,10 @@ WorkRef MycclBackend::allreduceScaled(at::Tensor& tensor, double scale) {
   MYCCL_CHECK_ARG(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous() &&
                       (tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kDouble),
                   w, ": a scaled sum needs a contiguous float32/float64 CPU tensor, got ", describe(tensor));
+  // Every other op on this tensor goes to the CUDA engine (the test double): a scaled sum on the
+  // CPU engine would reduce it on another transport than its peers' ops.
+  MYCCL_CHECK_ARG(!onDevice(tensor), w, ": a scaled sum runs on the CPU engine only, and this group sends ",
+                  describe(tensor), " to the CUDA engine (MYCCL_TEST_CUDA_DOUBLE=1)");
   MYCCL_CHECK_ARG(scale != 0.0 && std::isfinite(scale), w, ": scale must be finite and non-zero, got ", scale);
   checkWritable(w, tensor, "tensor");
   const c10d::AllreduceOptions opts;

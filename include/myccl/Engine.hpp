@@ -22,6 +22,9 @@
 
 namespace myccl {
 
+namespace cuda {
+class Device;
+}
 namespace cuda::testdouble {
 class Machine;
 }
@@ -61,6 +64,9 @@ class Engine {
   // MYCCL_DEBUG=DETAIL for engines that cannot check agreement themselves: `agree` runs the
   // cross-rank check of an op over the CPU engine's links before it is issued.
   virtual void setAgreement(std::function<void(const OpInfo&)> agree) {}
+  // The CUDA engine's device seam (Runtime.hpp; null for the CPU engine), for callers that order
+  // their own device work with the engine's streams (the DDP Reducer).
+  virtual std::shared_ptr<cuda::Device> deviceSeam() const { return nullptr; }
   virtual void setTimeout(std::chrono::milliseconds timeout) {}
   virtual void abort(const std::string& why) = 0;  // no waiting for peers
   virtual void shutdown() = 0;                      // finish queued work, then leave

@@ -26,6 +26,9 @@ class Engine;
 namespace cpu {
 class CpuEngine;
 }
+namespace cuda {
+class Device;
+}
 
 class MycclBackend final : public c10d::Backend {
  public:
@@ -42,7 +45,8 @@ class MycclBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
   // For the DDP reducer: sum over ranks of round(x * scale) for a contiguous float32/float64 CPU
   // tensor, the gradient average fused into the reduction (no separate scaling pass on the
-  // shared-memory path). Every rank must pass the same scale.
+  // shared-memory path). Every rank must pass the same scale. CPU engine only: a tensor that
+  // onDevice() sends to the CUDA engine is refused.
   c10::intrusive_ptr<c10d::Work> allreduceScaled(at::Tensor& tensor, double scale);
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) override;
@@ -116,6 +120,15 @@ class MycclBackend final : public c10d::Backend {
 #endif
   void abort() override;
   void shutdown() override;
+
+  // The engine an op sends a (valid) tensor to, by the one rule every op routes with: true for
+  // the CUDA engine (CUDA tensors, and CPU tensors under the CUDA test double). For callers that
+  // must choose between CPU-only and device paths as the backend does (the DDP Reducer).
+  bool onDevice(const at::Tensor& t) const { return !t.device().is_cpu() || cfg_.testCudaDouble; }
+  // The CUDA engine's device seam (the CUDA runtime, or the test double), the engine made on
+  // first use: the DDP Reducer orders its gradient copies with streams and events through it.
+  // Raises, as a CUDA op would, when this build has no CUDA engine.
+  std::shared_ptr<cuda::Device> cudaDevice();
 
   // For c10d_ext: topology, build and transport details.
   const Topology& topology() const;

@@ -234,6 +234,10 @@ int NcclEngine::lastDevice() const {
   return impl_->lastDevice.load();
 }
 
+std::shared_ptr<Device> NcclEngine::deviceSeam() const {
+  return impl_->rt.device;
+}
+
 // ---- coalescing ----------------------------------------------------------------------------
 
 void NcclEngine::startCoalescing() {

@@ -75,6 +75,8 @@ py::dict iterationToDict(const rd::IterationStats& s) {
     d["backend_memory"] = b.backendMemory;
     d["fused_average"] = b.fusedAverage;
     d["grad_copies"] = b.gradCopies;
+    d["on_device"] = b.onDevice;
+    d["stream_waits"] = b.streamWaits;
     d["ready_us"] = b.readyUs;
     d["launch_us"] = b.launchUs;
     d["done_us"] = b.doneUs ? b.doneUs->load() : 0;

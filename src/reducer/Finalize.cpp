@@ -151,6 +151,7 @@ void Reducer::finalizeBackward() {
           unalias(i);  // a slot alias keeps its value before its slot is zeroed
           b.views[loc.slot].zero_();
         }
+        if (b.onDevice) noteStream(b);
         if (--b.pending == 0) b.times.readyUs = Recorder::nowUs();
       }
       launchReadyBuckets();

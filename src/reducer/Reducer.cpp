@@ -24,6 +24,7 @@
 #include <unordered_set>
 
 #include "Slots.hpp"
+#include "Streams.hpp"
 #include "myccl/Arguments.hpp"
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
@@ -70,11 +71,21 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     MYCCL_CHECK(params_[i].requires_grad() && params_[i].is_leaf(), "ddp: rank ", rank_, ": parameter '", names_[i],
                 "' must be a leaf tensor that requires grad");
   }
+  const at::Tensor& sample = params_[0];
   try {
-    myccl_ = c10::dynamic_intrusive_pointer_cast<MycclBackend>(pg_->getBackend(c10::DeviceType::CPU));
+    myccl_ = c10::dynamic_intrusive_pointer_cast<MycclBackend>(pg_->getBackend(sample.device().type()));
   } catch (const std::exception&) {
-    // no CPU backend in this group
+    // no backend for this device type in this group
   }
+  bool anyOnDevice = false;
+  for (size_t i = 0; i < n; ++i) {
+    if (!routedToDevice(params_[i])) continue;
+    anyOnDevice = true;
+    // The device path orders its copies with one device's streams.
+    MYCCL_CHECK(params_[i].device() == sample.device(), "ddp: rank ", rank_, ": parameter '", names_[i], "' is on ",
+                params_[i].device(), " and '", names_[0], "' on ", sample.device(), "; use one device per process");
+  }
+  if (anyOnDevice) streams_ = myccl_ ? seamStreams(myccl_->cudaDevice(), sample) : c10Streams(sample.device());
   ready_.assign(n, 0);
   gotGradient_.assign(n, 0);
   localUsed_.assign(n, 0);
@@ -115,7 +126,14 @@ std::string Reducer::describe(const std::vector<size_t>& indices) const {
 
 // ---- buckets ---------------------------------------------------------------------------------
 
-at::Tensor Reducer::allocateBuffer(int64_t numel, const at::TensorOptions& options, bool& fromBackend) {
+bool Reducer::routedToDevice(const at::Tensor& t) const {
+  // The backend's own rule when myccl carries the parameters (under the CUDA test double its
+  // CPU tensors go to the CUDA engine); any other backend: device tensors to its device side.
+  return myccl_ ? myccl_->onDevice(t) : !t.device().is_cpu();
+}
+
+at::Tensor Reducer::allocateBuffer(int64_t numel, const at::TensorOptions& options, bool onDevice,
+                                   bool& fromBackend) {
   fromBackend = false;
   const auto device = options.device();
   c10::intrusive_ptr<c10d::Backend> backend;
@@ -124,8 +142,9 @@ at::Tensor Reducer::allocateBuffer(int64_t numel, const at::TensorOptions& optio
   } catch (const std::exception&) {
     // A group without a backend for this device type cannot offer memory for it either.
   }
-  // CPU memory has no device index; the Backend API asks with -1 then.
-  if (backend && backend->supportsTensorAlloc(device.is_cpu() ? -1 : device.index())) {
+  // CPU memory has no device index; the Backend API asks with -1 then. A device bucket asks for
+  // its device, so a CPU tensor standing in for a device tensor never gets CPU-engine memory.
+  if (backend && backend->supportsTensorAlloc(onDevice ? streams_->index() : -1)) {
     try {
       at::Tensor t = backend->allocateTensor(numel, options);
       fromBackend = true;
@@ -168,6 +187,7 @@ void Reducer::initializeBuckets(const BucketPlan& plan) {
     bucket.vars = plan[b];
     bucket.times.index = b;
     bucket.times.numParams = bucket.vars.size();
+    bucket.onDevice = bucket.times.onDevice = routedToDevice(params_[bucket.vars[0]]);
     if (bucket.vars.size() == 1 && sparse_[bucket.vars[0]]) {
       bucket.sparse = true;
       bucket.times.sparse = true;
@@ -180,7 +200,8 @@ void Reducer::initializeBuckets(const BucketPlan& plan) {
       }
       const at::Tensor& first = params_[bucket.vars[0]];
       bool fromBackend = false;
-      bucket.buffer = allocateBuffer(offset, first.options().layout(at::kStrided).requires_grad(false), fromBackend);
+      bucket.buffer = allocateBuffer(offset, first.options().layout(at::kStrided).requires_grad(false),
+                                     bucket.onDevice, fromBackend);
       bucket.times.backendMemory = fromBackend;
       bucket.times.nbytes = offset * static_cast<int64_t>(first.element_size());
       bucket.views = viewsInto(bucket.buffer, bucket);
@@ -292,7 +313,9 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs, bool si
     b.sparseGrad.reset();
     b.times.readyUs = b.times.launchUs = 0;
     b.times.gradCopies = 0;
+    b.times.streamWaits = 0;
     b.times.doneUs = std::make_shared<std::atomic<int64_t>>(0);
+    b.marksUsed = 0;
   }
   current_ = IterationStats{};
   current_.iteration = synced_ + 1;
@@ -395,8 +418,7 @@ void Reducer::markUnusedOnce() {
 // exact and x * (1/d) == x / d. Every rank must decide alike, so not under join() (joined
 // ranks shadow with zeros and may count a different d), and not with a comm hook.
 bool Reducer::fusedAverage(const Bucket& bucket) {
-  if (!allowFused_ || hook_ || !myccl_ || joinFuture_ || shadowing_ || bucket.sparse || !bucket.buffer.device().is_cpu())
-    return false;
+  if (!allowFused_ || hook_ || !myccl_ || joinFuture_ || shadowing_ || bucket.sparse || bucket.onDevice) return false;
   const auto st = bucket.buffer.scalar_type();
   if (st != at::kFloat && st != at::kDouble) return false;
   const int64_t d = divFactor();
@@ -412,7 +434,7 @@ void Reducer::unalias(size_t index) {
 }
 
 bool Reducer::gradInSlot(const Bucket& bucket) const {
-  return allowAlias_ && !opts_.gradientAsBucketView && !bucket.sparse && bucket.buffer.device().is_cpu();
+  return allowAlias_ && !opts_.gradientAsBucketView && !bucket.sparse && !bucket.onDevice;
 }
 
 int64_t Reducer::divFactor() {
@@ -436,6 +458,7 @@ void Reducer::markReady(size_t index) {
     markSparse(bucket, index);
   else
     markDense(bucket, loc.slot, index);
+  if (bucket.onDevice) noteStream(bucket);
   if (--bucket.pending == 0) {
     bucket.times.readyUs = Recorder::nowUs();
     launchReadyBuckets();
@@ -500,10 +523,58 @@ void Reducer::markSparse(Bucket& bucket, size_t index) {
   if (!hook_) bucket.sparseGrad.div_(divFactor());
 }
 
+// Gradients are copied into a bucket on the stream that produced them (the current stream in the
+// autograd hook); the reduction (or hook) is launched on the current stream of whichever hook or
+// callback finds the bucket complete, and the engine orders its own stream after that one. One
+// stream throughout is the usual case and costs no event. A model that runs parts of its forward
+// on other streams has gradients copied in on several: each of those records an event after its
+// copy, and the launch's stream waits for them (and for the first stream, if it is not the
+// launch's own) before the reduction is issued.
+void Reducer::noteStream(Bucket& bucket) {
+  const cuda::Stream s = streams_->current();
+  auto& marks = bucket.marks;
+  if (bucket.marksUsed == 0) {
+    if (marks.empty())
+      marks.push_back({s, nullptr});
+    else
+      marks[0].stream = s;
+    bucket.marksUsed = 1;
+    return;
+  }
+  if (s == marks[0].stream) return;
+  size_t k = 1;
+  while (k < bucket.marksUsed && marks[k].stream != s) ++k;
+  if (k == bucket.marksUsed) {
+    if (k == marks.size())
+      marks.push_back({s, nullptr});
+    else
+      marks[k].stream = s;
+    ++bucket.marksUsed;
+  }
+  if (!marks[k].event) marks[k].event = streams_->newEvent();
+  marks[k].event->record(s);  // after this copy; a later copy on s records it again
+}
+
+size_t Reducer::orderLaunch(Bucket& bucket) {
+  if (bucket.marksUsed == 0) return 0;
+  const cuda::Stream launch = streams_->current();
+  size_t waits = 0;
+  for (size_t k = 0; k < bucket.marksUsed; ++k) {
+    auto& m = bucket.marks[k];
+    if (m.stream == launch) continue;
+    if (!m.event) m.event = streams_->newEvent();
+    if (k == 0) m.event->record(m.stream);  // the first stream recorded nothing yet: all it holds now
+    m.event->block(launch);
+    ++waits;
+  }
+  return waits;
+}
+
 void Reducer::launchReadyBuckets() {
   while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
     Bucket& b = buckets_[nextBucket_];
     b.times.launchUs = Recorder::nowUs();
+    if (b.onDevice) b.times.streamWaits = orderLaunch(b);
     b.times.fusedAverage = fusedAverage(b);
     b.future = runReduction(nextBucket_, b.sparse ? b.sparseGrad : b.buffer);
     auto done = b.times.doneUs;
@@ -531,9 +602,12 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::runReduction(size_t index, cons
 }
 
 void Reducer::launchUsedMap(const std::vector<int32_t>& used) {
-  at::Tensor host = at::empty({static_cast<int64_t>(used.size())}, at::kInt);
+  const bool toDevice = !params_[0].device().is_cpu();
+  // Pinned, so the copy to the device is asynchronous: from pageable memory CUDA first waits for
+  // the stream on the host. The caching host allocator keeps it until the copy has run.
+  at::Tensor host = at::empty({static_cast<int64_t>(used.size())}, at::TensorOptions(at::kInt).pinned_memory(toDevice));
   std::copy(used.begin(), used.end(), host.data_ptr<int32_t>());
-  usedDev_ = params_[0].device().is_cpu() ? host : host.to(params_[0].device());
+  usedDev_ = toDevice ? host.to(params_[0].device(), at::kInt, /*non_blocking=*/true) : host;
   std::vector<at::Tensor> ts{usedDev_};
   usedWork_ = pg_->allreduce(ts);
   usedReduced_ = false;

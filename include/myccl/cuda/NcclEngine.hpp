@@ -63,6 +63,7 @@ class NcclEngine final : public Engine {
   // MYCCL_DEBUG=DETAIL: called with every collective before it is issued (or held in a block);
   // raises when the ranks disagree about the op, so a desync is an error, not a hung kernel.
   void setAgreement(std::function<void(const OpInfo&)> agree) override;
+  std::shared_ptr<Device> deviceSeam() const override;
   void setTimeout(std::chrono::milliseconds timeout) override;
   void abort(const std::string& why) override;
   void shutdown() override;

@@ -2,9 +2,11 @@
 // hooks that mark gradients ready, one asynchronous allreduce (or comm hook) per full bucket in
 // bucket order, and at the end of backward: wait, unflatten, write the averaged gradients.
 // It talks to any c10d::ProcessGroup through its public API, so it runs on myccl, gloo and nccl,
-// with one exception: when the group's CPU backend is myccl it calls
+// with one exception: when myccl carries CPU parameters on its CPU engine it calls
 // MycclBackend::allreduceScaled (the gradient average fused into the sum), which no torch API
-// offers; other backends get a plain allreduce of pre-scaled buckets.
+// offers; other backends get a plain allreduce of pre-scaled buckets. Buckets the backend sends
+// to a device engine (MycclBackend::onDevice; CUDA tensors elsewhere) take the device path:
+// scaled on the way in, plain allreduce or comm hook, stream-ordered, no host synchronisation.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "myccl/TorchCompat.hpp"
+#include "myccl/cuda/Runtime.hpp"
 #include "myccl/reducer/Buckets.hpp"
 #include "myccl/reducer/CommHook.hpp"
 
@@ -28,6 +31,8 @@ class MycclBackend;
 }
 
 namespace myccl::reducer {
+
+class DeviceStreams;
 
 struct ReducerOptions {
   BucketCaps caps;
@@ -45,6 +50,8 @@ struct BucketTimes {
   bool sparse = false;
   bool backendMemory = false;  // the buffer came from Backend::allocateTensor
   bool fusedAverage = false;   // averaged inside the reduction (myccl's scaled sum)
+  bool onDevice = false;       // reduced by a device engine (stream-ordered; no CPU-only path)
+  size_t streamWaits = 0;      // device: other streams that copied into it and the launch waited for
   size_t gradCopies = 0;       // gradients copied into the bucket this iteration (the rest already lived there)
   int64_t readyUs = 0;         // its last gradient arrived
   int64_t launchUs = 0;        // its allreduce / comm hook was started
@@ -121,6 +128,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     size_t pending = 0;                 // gradients not yet ready this iteration
     c10::intrusive_ptr<c10::ivalue::Future> future;
     BucketTimes times;
+    // Device path: the streams gradients were copied in on this iteration, the first one first,
+    // each other one with an event recorded after its latest copy (events are kept for reuse).
+    bool onDevice = false;
+    struct StreamMark {
+      cuda::Stream stream;
+      std::unique_ptr<cuda::Event> event;
+    };
+    std::vector<StreamMark> marks;
+    size_t marksUsed = 0;
   };
   struct Locator {
     size_t bucket = 0, slot = 0;
@@ -131,7 +147,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void queueFinalize();
 
   void initializeBuckets(const BucketPlan& plan);
-  at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options, bool& fromBackend);
+  at::Tensor allocateBuffer(int64_t numel, const at::TensorOptions& options, bool onDevice, bool& fromBackend);
+  // As the backend routes `t`: to a device engine (no CPU-only path may touch it) or the CPU.
+  bool routedToDevice(const at::Tensor& t) const;
+  // Device path: the current stream just copied a gradient into `bucket` (noteStream); before
+  // its launch, the launch's stream waits for every other stream that did (orderLaunch, which
+  // returns how many).
+  void noteStream(Bucket& bucket);
+  size_t orderLaunch(Bucket& bucket);
   std::vector<at::Tensor> viewsInto(const at::Tensor& flat, const Bucket& bucket) const;
   void markReady(size_t index);
   void markDense(Bucket& bucket, size_t slot, size_t index);
@@ -162,8 +185,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   const c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   const ReducerOptions opts_;
   const int rank_, worldSize_;
-  // The group's CPU backend when it is myccl: buckets are then averaged inside the reduction.
+  // The group's backend for the parameters' device type when it is myccl: it says which engine
+  // a bucket goes to, and CPU-engine buckets are averaged inside the reduction.
   c10::intrusive_ptr<MycclBackend> myccl_;
+  // Streams and events of the parameters' device; null when no bucket takes the device path.
+  std::unique_ptr<DeviceStreams> streams_;
 
   // The accumulators hold our hooks; the parameters only reference them weakly.
   std::vector<compat::NodePtr> accumulators_;  // the parameters' gradient accumulators
