@@ -511,7 +511,7 @@ def test_eager_init_with_device_id(run):
 def body_desync_detail(ctx, mode):
     """MYCCL_DEBUG=DETAIL: ranks that call different CUDA collectives get an error naming what
     each called, before NCCL is asked (instead of a hung kernel)."""
-    dev, _ = _init(ctx, mode=mode, timeout=20.0, debug_detail=True, async_error_handling=2)
+    dev, _ = _init(ctx, mode=mode, timeout=20.0, debug_detail="DETAIL", async_error_handling=2)
     t = _full(8, 1, dev)
     dist.all_reduce(t)  # agreed: runs
     ok = torch.equal(t.cpu(), _full(8, ctx.size, "cpu"))
