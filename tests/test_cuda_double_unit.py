@@ -1,5 +1,5 @@
 """The strict CUDA/NCCL double without a GPU: compiles tests/cpp/test_cuda_double.cpp with the
-double's sources (src/cuda/double) against the running interpreter's torch (CPU headers and
+double's sources (src/cuda/double, and the seam's src/cuda/Runtime.cpp) against the running interpreter's torch (CPU headers and
 libraries only) and runs it, so a broken double shows up here by test name rather than as odd
 failures of the CUDA engine's tests that run on it."""
 
@@ -29,6 +29,8 @@ def test_cuda_double_unit_tests(tmp_path):
         pytest.skip("no C++ compiler (g++) on PATH")
     torch_dir, abi = _torch()
     sources = sorted(os.path.join(DOUBLE, f) for f in os.listdir(DOUBLE) if f.endswith(".cpp"))
+    # The seam's own vocabulary (type sizes and names), which the double shares with the engine.
+    sources.append(os.path.join(ROOT, "src", "cuda", "Runtime.cpp"))
     sources.append(os.path.join(ROOT, "tests", "cpp", "test_cuda_double.cpp"))
     # torch's own headers are system headers here: -Wextra is for our code, not theirs.
     flags = [

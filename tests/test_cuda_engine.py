@@ -42,6 +42,19 @@ def _full(n, value, dev, dtype=torch.float32):
     return torch.full((n,), float(value), dtype=dtype, device=dev)
 
 
+def _error_of(work, bound_s=30.0) -> str:
+    """The error a Work ends with ("" if it succeeds): polled, as a user without blocking wait
+    would, until the watchdog completes it, then waited on."""
+    start = time.monotonic()
+    try:
+        while not work.is_completed() and time.monotonic() - start < bound_s:
+            time.sleep(0.02)
+        work.wait()
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return ""
+
+
 # ---- point-to-point ------------------------------------------------------------------------
 
 def body_p2p_patterns(ctx, mode):
@@ -326,17 +339,9 @@ def body_abort_hooks_cuda(ctx, mode):
     if ctx.rank == 1:
         store.wait(["done"], timedelta(seconds=60))
         return (1, [])
-    w = dist.all_reduce(t, async_op=True)
-    err = None
-    try:
-        start = time.monotonic()
-        while not w.is_completed() and time.monotonic() - start < 30:
-            time.sleep(0.02)
-        w.wait()
-    except Exception as e:  # noqa: BLE001
-        err = str(e)
+    err = _error_of(dist.all_reduce(t, async_op=True))
     store.set("done", "1")
-    rep.check(err is not None and "Timed out after 2000 ms" in err, f"error: {err}")
+    rep.check("Timed out after 2000 ms" in err, f"error: {err}")
     rep.check(len(calls) == 1, f"abort hook calls: {calls}")
     return rep.checks, rep.failures  # the double saw an aborted op: no violation check here
 
@@ -465,15 +470,7 @@ def body_flight_recorder(ctx, mode, dump_dir):
     if ctx.rank == 1:
         store.wait(["done"], timedelta(seconds=60))
         return rep.checks, rep.failures
-    w = dist.all_reduce(t, async_op=True)
-    err = ""
-    try:
-        start = time.monotonic()
-        while not w.is_completed() and time.monotonic() - start < 30:
-            time.sleep(0.02)
-        w.wait()
-    except Exception as e:  # noqa: BLE001
-        err = str(e)
+    err = _error_of(dist.all_reduce(t, async_op=True))
     store.set("done", "1")
     rep.check("Timed out after 2000 ms" in err and "[flight recorder: " + dump_dir in err, f"error: {err}")
     last = backend.flight_recorder()[-1]

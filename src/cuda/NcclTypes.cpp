@@ -63,24 +63,6 @@ NcclReduce planReduce(const Reduction& red, const std::string& where) {
   return p;
 }
 
-at::ScalarType scalarTypeOf(NcclType type) {
-  switch (type) {
-    case NcclType::Int8: return at::kChar;
-    case NcclType::Uint8: return at::kByte;
-    case NcclType::Int32: return at::kInt;
-    case NcclType::Uint32: return at::kUInt32;
-    case NcclType::Int64: return at::kLong;
-    case NcclType::Uint64: return at::kUInt64;
-    case NcclType::Float16: return at::kHalf;
-    case NcclType::Float32: return at::kFloat;
-    case NcclType::Float64: return at::kDouble;
-    case NcclType::BFloat16: return at::kBFloat16;
-    case NcclType::Float8e4m3: return at::kFloat8_e4m3fn;
-    case NcclType::Float8e5m2: return at::kFloat8_e5m2;
-  }
-  return at::kByte;
-}
-
 void premulScalar(NcclType type, double factor, void* out) {
   switch (type) {
     case NcclType::Float64: {

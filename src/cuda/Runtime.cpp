@@ -1,24 +1,30 @@
 // Names and sizes of NCCL's vocabulary as Runtime.hpp numbers it (for messages and the double).
 #include "myccl/cuda/Runtime.hpp"
 
+#include <c10/core/ScalarType.h>
+
 namespace myccl::cuda {
 
-size_t ncclTypeSize(NcclType t) {
-  switch (t) {
-    case NcclType::Int8:
-    case NcclType::Uint8:
-    case NcclType::Float8e4m3:
-    case NcclType::Float8e5m2: return 1;
-    case NcclType::Float16:
-    case NcclType::BFloat16: return 2;
-    case NcclType::Int32:
-    case NcclType::Uint32:
-    case NcclType::Float32: return 4;
-    case NcclType::Int64:
-    case NcclType::Uint64:
-    case NcclType::Float64: return 8;
+at::ScalarType scalarTypeOf(NcclType type) {
+  switch (type) {
+    case NcclType::Int8: return at::kChar;
+    case NcclType::Uint8: return at::kByte;
+    case NcclType::Int32: return at::kInt;
+    case NcclType::Uint32: return at::kUInt32;
+    case NcclType::Int64: return at::kLong;
+    case NcclType::Uint64: return at::kUInt64;
+    case NcclType::Float16: return at::kHalf;
+    case NcclType::Float32: return at::kFloat;
+    case NcclType::Float64: return at::kDouble;
+    case NcclType::BFloat16: return at::kBFloat16;
+    case NcclType::Float8e4m3: return at::kFloat8_e4m3fn;
+    case NcclType::Float8e5m2: return at::kFloat8_e5m2;
   }
-  return 1;
+  return at::kByte;
+}
+
+size_t ncclTypeSize(NcclType t) {
+  return c10::elementSize(scalarTypeOf(t));
 }
 
 const char* ncclTypeName(NcclType t) {

@@ -27,9 +27,6 @@ struct NcclReduce {
 // `where` is "<op> (rank R)". Raises ValueError (MYCCL_CHECK_ARG) for what NCCL cannot do.
 NcclReduce planReduce(const Reduction& red, const std::string& where);
 
-// The torch dtype of NCCL's element type (the premul factor's dtype on the device).
-at::ScalarType scalarTypeOf(NcclType type);
-
 // The premul factor as NCCL wants it for `type`, written into `out` (at least 8 bytes).
 void premulScalar(NcclType type, double factor, void* out);
 

@@ -122,6 +122,8 @@ enum class NcclType : int {
   Float8e4m3 = 10,
   Float8e5m2 = 11,
 };
+// The torch dtype of an NCCL element type, and its size.
+at::ScalarType scalarTypeOf(NcclType t);
 size_t ncclTypeSize(NcclType t);
 const char* ncclTypeName(NcclType t);
 const char* ncclResultName(NcclResult r);

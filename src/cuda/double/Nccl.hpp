@@ -99,7 +99,6 @@ void enqueueLaunch(Machine& m, const std::shared_ptr<Launch>& launch);
 
 // Reduce.cpp: element types and reductions.
 bool validType(NcclType t);
-at::ScalarType scalarTypeOf(NcclType t);
 size_t typeBytes(NcclType t);
 const char* typeName(NcclType t);
 const char* kindName(OpKind k);

@@ -18,25 +18,7 @@ bool validType(NcclType t) {
   return v >= static_cast<int>(NcclType::Int8) && v <= static_cast<int>(NcclType::Float8e5m2);
 }
 
-at::ScalarType scalarTypeOf(NcclType t) {
-  switch (t) {
-    case NcclType::Int8: return at::kChar;
-    case NcclType::Uint8: return at::kByte;
-    case NcclType::Int32: return at::kInt;
-    case NcclType::Uint32: return at::kUInt32;
-    case NcclType::Int64: return at::kLong;
-    case NcclType::Uint64: return at::kUInt64;
-    case NcclType::Float16: return at::kHalf;
-    case NcclType::Float32: return at::kFloat;
-    case NcclType::Float64: return at::kDouble;
-    case NcclType::BFloat16: return at::kBFloat16;
-    case NcclType::Float8e4m3: return at::kFloat8_e4m3fn;
-    case NcclType::Float8e5m2: return at::kFloat8_e5m2;
-  }
-  TORCH_CHECK(false, "myccl: cuda double: no such NCCL type ", static_cast<int>(t));
-}
-
-size_t typeBytes(NcclType t) { return c10::elementSize(scalarTypeOf(t)); }
+size_t typeBytes(NcclType t) { return ncclTypeSize(t); }
 
 const char* typeName(NcclType t) {
   static const char* const names[] = {"int8",    "uint8",   "int32",    "uint32",     "int64",     "uint64",
