@@ -93,23 +93,27 @@ OpInfo MycclBackend::info(OpType type, const char* op, std::chrono::milliseconds
   i.rank = rank_;
   i.group = group_;
   i.timeout = (timeout == c10d::kUnsetTimeout) ? timeout_.load() : timeout;
-  {
+  // Extensions are rare: the flag keeps the lock off every op's path.
+  if (anyExtensions_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lk(extensionsMu_);
     // An extension ends when the first op created after it completes.
     std::erase_if(extensions_, [](const Extension& x) { return x.first && x.first->isCompleted(); });
     for (const auto& x : extensions_) i.timeout += x.extra;
+    if (extensions_.empty()) anyExtensions_.store(false, std::memory_order_release);
   }
   return i;
 }
 
 WorkRef MycclBackend::record(WorkRef w) {
-  {
+  if (anyExtensions_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lk(extensionsMu_);
     for (auto& x : extensions_)
       if (!x.first) x.first = w;
   }
-  std::lock_guard<std::mutex> lk(coalesceMu_);
-  if (coalescing_) coalesced_.push_back(w);
+  if (coalescing_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lk(coalesceMu_);
+    if (coalescing_) coalesced_.push_back(w);
+  }
   return w;
 }
 
@@ -119,6 +123,7 @@ void MycclBackend::addEphemeralTimeout(const std::chrono::milliseconds& timeout)
                   timeout.count(), " ms");
   std::lock_guard<std::mutex> lk(extensionsMu_);
   extensions_.push_back({timeout, {}});
+  anyExtensions_.store(true, std::memory_order_release);
 }
 
 void MycclBackend::registerAbortHook(int64_t hookId, c10d::AbortHook hook) {

@@ -182,9 +182,10 @@ class MycclBackend final : public c10d::Backend {
   };
   std::mutex extensionsMu_;
   std::vector<Extension> extensions_;
+  std::atomic<bool> anyExtensions_{false};  // extensions_ is not empty (checked without the lock)
 
   std::mutex coalesceMu_;
-  bool coalescing_ = false;
+  std::atomic<bool> coalescing_{false};  // written under coalesceMu_; read without it on every op
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::atomic<bool> shutdown_{false};
 };
