@@ -81,6 +81,12 @@ def body_stuck(ctx, dump_dir, kind):
         if kind == "stuck":
             if ctx.rank == 2:
                 time.sleep(4.5)  # never joins all_reduce #5
+                # Its dump comes from the peer-failure hook once the others' failure reaches it;
+                # how long after their 3 s timeout depends on the machine's load, so wait for it
+                # (bounded) instead of leaving the group after a fixed sleep, which races it.
+                deadline = time.monotonic() + 30
+                while not glob.glob(os.path.join(dump_dir, "*_rank2_*.json")) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             else:
                 dist.all_reduce(x)
         else:  # mismatch: rank 1 calls broadcast where the others call all_reduce
