@@ -188,6 +188,8 @@ VARS: list[Var] = [
         "testing only: the double's sends up to this size complete without a posted receive (NCCL's buffering)"),
     Var("MYCCL_TEST_CUDA_DOUBLE_HANG_MS", "test_cuda_double_hang_ms", _int(1),
         "testing only: the double reports a wait longer than this as a hang"),
+    Var("MYCCL_TEST_CUDA_DOUBLE_CAPABILITY", "test_cuda_double_capability", _int(10, 999),
+        "testing only: the compute capability of the double's devices (90: 9.0)"),
 ]
 
 # Variables that fall back to torch's own name for the same setting when ours is unset.

@@ -17,10 +17,6 @@ std::string scalarTypeName(at::ScalarType st) {
   switch (st) {
     case at::kComplexHalf: return "complex32";
     case at::kUInt16: return "uint16";
-    case at::kUInt32: return "uint32";
-    case at::kUInt64: return "uint64";
-    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
-    case at::kFloat8_e5m2: return "float8_e5m2";
     default: return c10::toString(st);
   }
 }
@@ -52,6 +48,10 @@ std::optional<DType> dtypeOf(at::ScalarType st) {
     case at::kBool: return DType::Bool;
     case at::kComplexFloat: return DType::C64;
     case at::kComplexDouble: return DType::C128;
+    case at::kUInt32: return DType::U32;
+    case at::kUInt64: return DType::U64;
+    case at::kFloat8_e4m3fn: return DType::F8E4M3;
+    case at::kFloat8_e5m2: return DType::F8E5M2;
     default: return std::nullopt;
   }
 }
@@ -79,12 +79,15 @@ void annotate(OpInfo& i, const at::Tensor& t, int64_t root, const char* redop) {
   if (redop) i.redop = redop;
 }
 
-Reduction toReduction(const std::string& w, const at::Tensor& t, const c10d::ReduceOp& rop, int size) {
+Reduction toReduction(const std::string& w, const at::Tensor& t, const c10d::ReduceOp& rop, int size, bool onDevice) {
   Reduction r;
   const auto dtype = dtypeOf(t.scalar_type());
   MYCCL_CHECK_ARG(dtype.has_value(), w, ": reductions are not supported for dtype ", scalarTypeName(t.scalar_type()),
                   " (supported: float32, float64, float16, bfloat16, int8, int16, int32, int64, uint8, bool, "
-                  "complex64, complex128)");
+                  "complex64, complex128; on CUDA tensors also uint32, uint64, float8_e4m3fn, float8_e5m2)");
+  MYCCL_CHECK_ARG(onDevice || cpuReducible(*dtype), w, ": reductions of dtype ", scalarTypeName(t.scalar_type()),
+                  " are supported for CUDA tensors only (NCCL reduces them); CPU tensors: float32, float64, float16, "
+                  "bfloat16, int8, int16, int32, int64, uint8, bool, complex64, complex128");
   r.spec.dtype = *dtype;
   const DType dt = r.spec.dtype;
   const bool floating = isFloating(dt), complex = isComplex(dt), boolean = dt == DType::Bool;

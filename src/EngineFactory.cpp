@@ -29,6 +29,7 @@ std::shared_ptr<cuda::testdouble::Machine> cudaDoubleMachine(const Config& cfg) 
   o.maxDelayUs = cfg.testCudaDoubleDelayUs;
   o.eagerBytes = cfg.testCudaDoubleEagerBytes;
   o.hangMs = cfg.testCudaDoubleHangMs;
+  o.computeCapability = cfg.testCudaDoubleCapability;
   return cuda::testdouble::machine(o);
 }
 

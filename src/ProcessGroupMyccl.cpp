@@ -258,7 +258,7 @@ WorkRef MycclBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::Al
   if (tensors[0].defined() && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
   Engine& e = engineFor("all_reduce", tensors);
   checkWritable(w, tensors[0], "tensor");
-  auto red = toReduction(w, tensors[0], opts.reduceOp, size_);
+  auto red = toReduction(w, tensors[0], opts.reduceOp, size_, onDevice(tensors[0]));
   auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout, opts.asyncOp);
   annotate(i, tensors[0], -1, reduceOpName(opts.reduceOp.op_));
   return record(e.allreduce(std::move(i), tensors, red));
@@ -276,7 +276,7 @@ WorkRef MycclBackend::allreduceScaled(at::Tensor& tensor, double scale) {
   MYCCL_CHECK_ARG(scale != 0.0 && std::isfinite(scale), w, ": scale must be finite and non-zero, got ", scale);
   checkWritable(w, tensor, "tensor");
   const c10d::AllreduceOptions opts;
-  auto red = toReduction(w, tensor, opts.reduceOp, size_);
+  auto red = toReduction(w, tensor, opts.reduceOp, size_, onDevice(tensor));
   red.spec.scale = scale;
   auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout, true);
   annotate(i, tensor, -1, "SUM(scaled)");
@@ -333,7 +333,7 @@ WorkRef MycclBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors, cons
     checkSameDtype(w, tensors[0], tensors[k], ("tensor " + std::to_string(k)).c_str());
     checkWritable(w, tensors[k], "tensor");
   }
-  auto red = toReduction(w, tensors[0], opts.reduceOp, size_);
+  auto red = toReduction(w, tensors[0], opts.reduceOp, size_, onDevice(tensors[0]));
   auto i = info(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", opts.timeout, opts.asyncOp);
   annotate(i, tensors[0], -1, reduceOpName(opts.reduceOp.op_));
   return record(e.allreduce(std::move(i), tensors, red));
@@ -347,7 +347,7 @@ WorkRef MycclBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::Reduc
   checkRoot(w, opts.rootRank, size_);
   MYCCL_CHECK_ARG(opts.rootTensor == 0, w, ": rootTensor must be 0, got ", opts.rootTensor);
   if (rank_ == opts.rootRank) checkWritable(w, t, "tensor");
-  auto red = toReduction(w, t, opts.reduceOp, size_);
+  auto red = toReduction(w, t, opts.reduceOp, size_, onDevice(t));
   auto i = info(OpType::REDUCE, "reduce", opts.timeout, opts.asyncOp);
   annotate(i, t, opts.rootRank, reduceOpName(opts.reduceOp.op_));
   return record(e.reduce(std::move(i), t, red, static_cast<int>(opts.rootRank)));
@@ -518,7 +518,7 @@ WorkRef MycclBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vect
   for (int r = 0; r < size_; ++r) checkSameDtype(w, out, ins[r], "input");
   MYCCL_CHECK_ARG(ins[rank_].numel() == out.numel(), w, ": input ", rank_, " has ", ins[rank_].numel(),
                   " elements but the output has ", out.numel());
-  auto red = toReduction(w, out, opts.reduceOp, size_);
+  auto red = toReduction(w, out, opts.reduceOp, size_, onDevice(out));
   auto i = info(OpType::REDUCE_SCATTER, "reduce_scatter", opts.timeout, opts.asyncOp);
   annotate(i, out, -1, reduceOpName(opts.reduceOp.op_));
   return record(e.reduceScatter(std::move(i), {ins}, {out}, red));
@@ -534,7 +534,7 @@ WorkRef MycclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input
   MYCCL_CHECK_ARG(input.numel() == output.numel() * size_, w, ": input ", shapeOf(input), " has ", input.numel(),
                   " elements but must have output numel ", output.numel(), " x group size ", size_, " = ",
                   output.numel() * size_);
-  auto red = toReduction(w, output, opts.reduceOp, size_);
+  auto red = toReduction(w, output, opts.reduceOp, size_, onDevice(output));
   auto ins = blocks(w, input, size_, output.numel(), "input");
   auto i = info(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", opts.timeout, opts.asyncOp);
   annotate(i, input, -1, reduceOpName(opts.reduceOp.op_));
@@ -559,7 +559,7 @@ WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& o
                     " elements but must have ", outputs[k].numel() * size_);
     per.push_back(blocks(w, inputs[k], size_, outputs[k].numel(), "input"));
   }
-  auto red = toReduction(w, outputs[0], opts.reduceOp, size_);
+  auto red = toReduction(w, outputs[0], opts.reduceOp, size_, onDevice(outputs[0]));
   auto i = info(compat::kReduceScatterTensorCoalesced, "reduce_scatter_tensor_coalesced", opts.timeout, opts.asyncOp);
   annotate(i, inputs[0], -1, reduceOpName(opts.reduceOp.op_));
   return record(e.reduceScatter(std::move(i), per, outputs, red, inputs));

@@ -17,6 +17,10 @@ size_t dtypeSize(DType dt) {
     case DType::Bool: return 1;
     case DType::C64: return 8;
     case DType::C128: return 16;
+    case DType::U32: return 4;
+    case DType::U64: return 8;
+    case DType::F8E4M3: return 1;
+    case DType::F8E5M2: return 1;
   }
   return 1;
 }
@@ -35,6 +39,10 @@ const char* dtypeName(DType dt) {
     case DType::Bool: return "bool";
     case DType::C64: return "complex64";
     case DType::C128: return "complex128";
+    case DType::U32: return "uint32";
+    case DType::U64: return "uint64";
+    case DType::F8E4M3: return "float8_e4m3fn";
+    case DType::F8E5M2: return "float8_e5m2";
   }
   return "?";
 }
@@ -53,11 +61,16 @@ const char* redOpName(RedOp op) {
 }
 
 bool isFloating(DType dt) {
-  return dt == DType::F32 || dt == DType::F64 || dt == DType::F16 || dt == DType::BF16;
+  return dt == DType::F32 || dt == DType::F64 || dt == DType::F16 || dt == DType::BF16 || dt == DType::F8E4M3 ||
+         dt == DType::F8E5M2;
 }
 
 bool isComplex(DType dt) {
   return dt == DType::C64 || dt == DType::C128;
+}
+
+bool cpuReducible(DType dt) {
+  return dt != DType::U32 && dt != DType::U64 && dt != DType::F8E4M3 && dt != DType::F8E5M2;
 }
 
 }  // namespace myccl

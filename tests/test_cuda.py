@@ -635,8 +635,116 @@ def test_build_links_torchs_nccl():
     assert len(libs) <= 1, f"more than one libnccl mapped: {libs}"
 
 
+# Reduced by NCCL only (the CPU kernels refuse them). Values are small integers, exact in float8
+# through every partial sum and product at these world sizes, so NCCL's order of folding does not
+# matter; AVG of float8 rounds once more and is compared within float8's own step.
+NCCL_ONLY_DTYPES = [torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2]
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _small(rank, shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + 5)
+    lo = -2 if dtype in FLOAT8 else 0
+    return torch.randint(lo, 3, shape, generator=g).to(dtype)
+
+
+def _fold(xs, op):
+    """The reduction as NCCL defines it for these dtypes (uint64 in Python integers: torch has no
+    uint64 arithmetic on CPU)."""
+    dtype = xs[0].dtype
+    if dtype in FLOAT8:
+        acc = reduce_all([x.float() for x in xs], op)
+        return acc.to(dtype)
+    vals = [[int(v) for v in x.reshape(-1).tolist()] for x in xs]
+    out = []
+    for col in zip(*vals):
+        if op in ("SUM", "AVG"):
+            v = sum(col)
+            v = v // len(col) if op == "AVG" else v
+        elif op == "PRODUCT":
+            v = 1
+            for c in col:
+                v *= c
+        else:
+            v = min(col) if op == "MIN" else max(col)
+        out.append(v)
+    return torch.tensor(out, dtype=torch.int64).to(dtype).reshape(xs[0].shape)
+
+
+def _same_nccl_only(got, want):
+    got = got.cpu()
+    if got.dtype in FLOAT8:
+        return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=0.13, atol=0)
+    return got.shape == want.shape and got.view(torch.uint8).equal(want.view(torch.uint8))
+
+
+def body_nccl_only_dtypes(ctx, compare, mode="gpu"):
+    """uint32, uint64 and float8 reductions run on NCCL (all_reduce, reduce, reduce_scatter); the
+    operators NCCL lacks for them raise ValueError first; broadcast and all_gather just move bytes."""
+    dev, ref = _init(ctx, compare, mode=mode)
+    rep = Report(ctx, mode)
+    n = ctx.size
+    seed = 900
+    for dtype in NCCL_ONLY_DTYPES:
+        for op in REDOPS:
+            seed += 1
+            what = f"{op} {dtype}"
+            xs = [_small(r, (37,), dtype, seed) for r in range(n)]
+            t = _on(dev, xs[ctx.rank].clone())
+            if op in ("BAND", "BOR", "BXOR", "PREMUL_SUM"):
+                rep.expect_value_error(lambda: dist.all_reduce(t, op=redop(op, ctx.rank)), "all_reduce " + what)
+                continue
+            dist.all_reduce(t, op=redop(op, ctx.rank))
+            rep.check(_same_nccl_only(t, _fold(xs, op)), "all_reduce " + what)
+            root = seed % n
+            t = _on(dev, xs[ctx.rank].clone())
+            dist.reduce(t, dst=root, op=redop(op, ctx.rank))
+            want = _fold(xs, op) if ctx.rank == root else xs[ctx.rank]
+            rep.check(_same_nccl_only(t, want), f"reduce root={root} " + what)
+            blocks = [[_small(src * 10 + r, (5,), dtype, seed) for r in range(n)] for src in range(n)]
+            out = torch.empty(5, dtype=dtype, device=dev)
+            dist.reduce_scatter(out, [_on(dev, b) for b in blocks[ctx.rank]], op=redop(op, ctx.rank))
+            rep.check(_same_nccl_only(out, _fold([blocks[s][ctx.rank] for s in range(n)], op)),
+                      "reduce_scatter " + what)
+            if ref is not None:
+                r = _on(dev, xs[ctx.rank].clone())
+                if _ref(rep, what, lambda: dist.all_reduce(r, op=redop(op, ctx.rank), group=ref)):
+                    rep.check(_same_nccl_only(r, _fold(xs, op)), "all_reduce " + what + " (reference backend)")
+        xs = [_small(r, (9,), dtype, seed) for r in range(n)]
+        t = _on(dev, xs[ctx.rank].clone())
+        dist.broadcast(t, src=n - 1)
+        rep.check(t.cpu().view(torch.uint8).equal(xs[n - 1].view(torch.uint8)), f"broadcast {dtype}")
+        outs = [torch.empty(9, dtype=dtype, device=dev) for _ in range(n)]
+        dist.all_gather(outs, _on(dev, xs[ctx.rank]))
+        rep.check(all(outs[r].cpu().view(torch.uint8).equal(xs[r].view(torch.uint8)) for r in range(n)),
+                  f"all_gather {dtype}")
+    return rep.result()
+
+
+def body_float8_needs_hopper(ctx):
+    """On a GPU older than compute capability 9.0 NCCL has no float8 reductions: a ValueError that
+    says so, before anything is issued; the group goes on."""
+    dev, _ = _init(ctx, mode="double")
+    rep = Report(ctx, "double")
+    t = torch.ones(4).to(torch.float8_e4m3fn)
+    try:
+        dist.all_reduce(t)
+        rep.fail("float8 all_reduce on a 8.0 device did not raise")
+    except ValueError as e:
+        rep.check("compute capability 9.0" in str(e) and "8.0" in str(e) and "all_reduce" in str(e), str(e))
+    u = torch.full((4,), 3, dtype=torch.uint32)
+    dist.all_reduce(u)
+    rep.check(u.to(torch.int64).tolist() == [3 * ctx.size] * 4, "uint32 all_reduce after the refusal")
+    return rep.result()
+
+
+def test_float8_reductions_need_hopper(run):
+    env = dict(DOUBLE, MYCCL_TEST_CUDA_DOUBLE_CAPABILITY="80", MYCCL_TEST_WORLD="sm80")
+    _assert_reports(run(2, body_float8_needs_hopper, timeout=120, world_env=env))
+
+
 BODIES = [body_all_reduce, body_reduce_broadcast, body_all_gather, body_gather_scatter, body_reduce_scatter,
-          body_all_to_all_p2p_barrier]
+          body_all_to_all_p2p_barrier, body_nccl_only_dtypes]
 
 
 @pytest.mark.parametrize("mode", MODES)

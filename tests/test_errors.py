@@ -95,9 +95,9 @@ def _cases(ctx):
         # dtypes without reduction kernels
         ("uint16 all_reduce", lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint16)), ["all_reduce", "uint16"], "myccl"),
         ("uint32 reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(
-            torch.empty(2, dtype=torch.uint32), torch.ones(2 * n, dtype=torch.uint32)), ["reduce_scatter_tensor", "uint32"], "myccl"),
+            torch.empty(2, dtype=torch.uint32), torch.ones(2 * n, dtype=torch.uint32)), ["reduce_scatter_tensor", "uint32", "CUDA tensors only"], "myccl"),
         ("float8 all_reduce", lambda: dist.all_reduce(torch.zeros(3).to(torch.float8_e4m3fn)),
-         ["all_reduce", "float8_e4m3fn"], "myccl"),
+         ["all_reduce", "float8_e4m3fn", "CUDA tensors only"], "myccl"),
         # peers
         ("send to self", lambda: dist.send(t, dst=r), ["destination rank"], "torch"),
         ("send to self (pg)", lambda: pg.send([t], r, 0).wait(), ["send", f"peer rank {r}", "itself"], "myccl"),

@@ -28,7 +28,9 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op);
 
 // What a ReduceOp means for this tensor's dtype in a group of `size` ranks; rejects
 // combinations that have no meaning (AVG of bool, MIN of complex, bitwise on floats).
-Reduction toReduction(const std::string& where, const at::Tensor& t, const c10d::ReduceOp& rop, int size);
+// `onDevice`: the op runs on the CUDA engine (MycclBackend::onDevice), which reduces more dtypes.
+Reduction toReduction(const std::string& where, const at::Tensor& t, const c10d::ReduceOp& rop, int size,
+                      bool onDevice);
 
 // What the flight recorder, traces and cross-rank checks say about an op.
 void annotate(OpInfo& i, const at::Tensor& t, int64_t root, const char* redop);

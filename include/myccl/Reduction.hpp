@@ -10,7 +10,8 @@
 
 namespace myccl {
 
-enum class DType : uint8_t { F32, F64, F16, BF16, I8, U8, I16, I32, I64, Bool, C64, C128 };
+// The last four are reduced by NCCL only (CUDA tensors); the CPU kernels refuse them.
+enum class DType : uint8_t { F32, F64, F16, BF16, I8, U8, I16, I32, I64, Bool, C64, C128, U32, U64, F8E4M3, F8E5M2 };
 enum class RedOp : uint8_t { Sum, Prod, Min, Max, BAnd, BOr, BXor };
 
 size_t dtypeSize(DType dt);
@@ -18,6 +19,8 @@ const char* dtypeName(DType dt);
 const char* redOpName(RedOp op);
 bool isFloating(DType dt);
 bool isComplex(DType dt);
+// Whether the CPU engine's kernels reduce this type (all but the NCCL-only ones).
+bool cpuReducible(DType dt);
 
 struct ReduceSpec {
   DType dtype = DType::F32;

@@ -397,7 +397,13 @@ void reduceInto(const ReduceSpec& spec, void* out, const void* const* ins, int n
     case DType::Bool: return reduceBool(spec.dtype, spec.op, out, ins, n, count, div);
     case DType::C64: return reduceC64(spec.dtype, spec.op, out, ins, n, count, div);
     case DType::C128: return reduceC128(spec.dtype, spec.op, out, ins, n, count, div);
+    case DType::U32:
+    case DType::U64:
+    case DType::F8E4M3:
+    case DType::F8E5M2:
+      break;  // the backend routes these to NCCL only (cpuReducible)
   }
+  throw std::invalid_argument(std::string("the CPU kernels do not reduce ") + dtypeName(spec.dtype));
 }
 
 MYCCL_CLONES void toFloat32(DType from, const void* in, float* out, size_t count) {

@@ -300,6 +300,13 @@ struct NcclEngine::Impl {
     return w;
   }
 
+  // How NCCL reduces `red` for an op on `device` (float8: when this NCCL and GPU can).
+  NcclReduce plan(const Reduction& red, const OpInfo& info, c10::Device device) {
+    if (isFloat8(red.spec.dtype))
+      checkFloat8(red.spec.dtype, argWhere(info), rt.nccl->version(), dev.computeCapability(device.index()));
+    return planReduce(red, argWhere(info));
+  }
+
   // ---- communicators (Comms.cpp) ----
   // The group's communicator on `device` (made on first use: collective over the group).
   CommSlot& groupSlot(int device, Clock::time_point deadline, const std::string& where);

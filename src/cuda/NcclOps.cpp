@@ -25,8 +25,8 @@ NcclEngine::WorkPtr NcclEngine::broadcast(OpInfo info, at::Tensor t, int root) {
 }
 
 NcclEngine::WorkPtr NcclEngine::allreduce(OpInfo info, std::vector<at::Tensor> tensors, const Reduction& red) {
-  const NcclReduce plan = planReduce(red, argWhere(info));
   const auto dev = impl_->dev.deviceOf(tensors.at(0));
+  const NcclReduce plan = impl_->plan(red, info, dev);
   // A list is coalesced: one allreduce per tensor, all in one group.
   return impl_->submit(info, dev, info.asyncOp, tensors, tensors, [tensors, plan](Launch& L) {
     for (const auto& t : tensors) {
@@ -42,9 +42,10 @@ NcclEngine::WorkPtr NcclEngine::allreduce(OpInfo info, std::vector<at::Tensor> t
 }
 
 NcclEngine::WorkPtr NcclEngine::reduce(OpInfo info, at::Tensor t, const Reduction& red, int root) {
-  const NcclReduce plan = planReduce(red, argWhere(info));
+  const auto dev = impl_->dev.deviceOf(t);
+  const NcclReduce plan = impl_->plan(red, info, dev);
   const bool isRoot = info.rank == root;
-  return impl_->submit(info, impl_->dev.deviceOf(t), info.asyncOp, {t}, {t}, [t, plan, root, isRoot](Launch& L) {
+  return impl_->submit(info, dev, info.asyncOp, {t}, {t}, [t, plan, root, isRoot](Launch& L) {
     if (t.numel() == 0) return;
     // Only the root's buffer receives; the others' stay as they were.
     at::Tensor buf = L.buffer(t, plan.stage, true, /*copyBack=*/isRoot);
@@ -172,11 +173,11 @@ NcclEngine::WorkPtr NcclEngine::scatter(OpInfo info, std::vector<at::Tensor> inp
 NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vector<at::Tensor>> inputs,
                                               std::vector<at::Tensor> outputs, const Reduction& red,
                                               std::vector<at::Tensor> /*userInputs*/) {
-  const NcclReduce plan = planReduce(red, argWhere(info));
+  const auto dev = impl_->dev.deviceOf(outputs.at(0));
+  const NcclReduce plan = impl_->plan(red, info, dev);
   std::vector<at::Tensor> flatIn;
   for (auto& list : inputs) flatIn.insert(flatIn.end(), list.begin(), list.end());
   const int rank = info.rank;
-  const auto dev = impl_->dev.deviceOf(outputs.at(0));
   return impl_->submit(info, dev, info.asyncOp, flatIn, outputs, [inputs, outputs, plan, rank](Launch& L) {
     for (size_t k = 0; k < outputs.size(); ++k) {
       const auto& ins = inputs[k];

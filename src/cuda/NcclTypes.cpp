@@ -34,6 +34,10 @@ NcclReduce planReduce(const Reduction& red, const std::string& where) {
     // parts taken separately: reduce the interleaved reals.
     case DType::C64: p.type = NcclType::Float32; p.stage = at::kComplexFloat; p.perElement = 2; break;
     case DType::C128: p.type = NcclType::Float64; p.stage = at::kComplexDouble; p.perElement = 2; break;
+    case DType::U32: p.type = NcclType::Uint32; p.stage = at::kUInt32; break;
+    case DType::U64: p.type = NcclType::Uint64; p.stage = at::kUInt64; break;
+    case DType::F8E4M3: p.type = NcclType::Float8e4m3; p.stage = at::kFloat8_e4m3fn; break;
+    case DType::F8E5M2: p.type = NcclType::Float8e5m2; p.stage = at::kFloat8_e5m2; break;
   }
   if (isComplex(dt)) {
     MYCCL_CHECK_ARG(op == RedOp::Sum, where, ": ReduceOp.", (op == RedOp::Prod ? "PRODUCT" : redOpName(op)),
@@ -55,12 +59,32 @@ NcclReduce planReduce(const Reduction& red, const std::string& where) {
   if (red.premul) {
     MYCCL_CHECK_ARG(p.type == NcclType::Float32 || p.type == NcclType::Float64 || p.type == NcclType::Float16 ||
                         p.type == NcclType::BFloat16,
-                    where, ": ReduceOp.PREMUL_SUM needs a floating point or complex dtype, got ", dtypeName(dt));
+                    where, ": ReduceOp.PREMUL_SUM on CUDA tensors needs float32, float64, float16, bfloat16 or a "
+                    "complex dtype, got ", dtypeName(dt));
     p.premul = true;
     p.factor = red.factor;
     p.factorTensor = red.factorTensor;
   }
   return p;
+}
+
+bool isFloat8(DType dt) {
+  return dt == DType::F8E4M3 || dt == DType::F8E5M2;
+}
+
+void checkFloat8(DType dt, const std::string& where, int ncclVersion, int computeCapability) {
+  // NCCL reduces float8 from 2.24 on, and only on Hopper (compute capability 9.0) or newer.
+  MYCCL_CHECK_ARG(ncclVersion >= kNcclFloat8Version, where, ": reductions of ", dtypeName(dt),
+                  " need NCCL 2.24 or newer, this process loaded NCCL ", ncclVersionText(ncclVersion),
+                  "; reduce in bfloat16 or float16 instead");
+  MYCCL_CHECK_ARG(computeCapability >= 90, where, ": NCCL reduces ", dtypeName(dt),
+                  " only on GPUs of compute capability 9.0 or newer, this one has ", computeCapability / 10, ".",
+                  computeCapability % 10, "; reduce in bfloat16 or float16 instead");
+}
+
+std::string ncclVersionText(int code) {
+  // NCCL_VERSION(X,Y,Z): X*10000 + Y*100 + Z from 2.9 on.
+  return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." + std::to_string(code % 100);
 }
 
 void premulScalar(NcclType type, double factor, void* out) {

@@ -90,7 +90,7 @@ myccl::RedOp parseRedOp(const std::string& s) {
 
 myccl::DType reducibleDtype(at::ScalarType st) {
   auto dt = myccl::dtypeOf(st);
-  if (!dt) throw py::value_error("unsupported dtype " + myccl::scalarTypeName(st));
+  if (!dt || !myccl::cpuReducible(*dt)) throw py::value_error("unsupported dtype " + myccl::scalarTypeName(st));
   return *dt;
 }
 

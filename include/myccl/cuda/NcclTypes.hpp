@@ -24,8 +24,17 @@ struct NcclReduce {
   at::Tensor factorTensor;            // ... or as a tensor: passed to NCCL on the device
 };
 
+// NCCL_VERSION(2, 24, 0): the first NCCL with float8 reductions.
+inline constexpr int kNcclFloat8Version = 22400;
+
 // `where` is "<op> (rank R)". Raises ValueError (MYCCL_CHECK_ARG) for what NCCL cannot do.
 NcclReduce planReduce(const Reduction& red, const std::string& where);
+bool isFloat8(DType dt);
+// Float8 reductions need more than the type: this NCCL (`ncclVersion`, as ncclGetVersion) and this
+// GPU (`computeCapability`, 90 for 9.0) must reduce it. Raises ValueError naming what is missing.
+void checkFloat8(DType dt, const std::string& where, int ncclVersion, int computeCapability);
+// "2.28.9" for NCCL's version code 22809.
+std::string ncclVersionText(int code);
 
 // The premul factor as NCCL wants it for `type`, written into `out` (at least 8 bytes).
 void premulScalar(NcclType type, double factor, void* out);

@@ -93,6 +93,8 @@ class Device {
   virtual bool streamOrdered() = 0;
   // Options for a tensor the engine itself allocates on `index` (barrier token, premul factor).
   virtual at::TensorOptions tensorOptions(int index) = 0;
+  // The device's compute capability as major * 10 + minor (90 for 9.0); makes no context.
+  virtual int computeCapability(int index) = 0;
 };
 
 // ---- NCCL ----------------------------------------------------------------------------------

@@ -189,6 +189,11 @@ class DoubleDevice final : public Device {
     return at::TensorOptions(at::kCPU);
   }
 
+  int computeCapability(int index) override {
+    m_->checkIndex(index, "computeCapability");
+    return m_->opts.computeCapability;
+  }
+
  private:
   static c10::Device cudaDevice(int index) { return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index)); }
 

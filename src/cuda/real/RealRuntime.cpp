@@ -84,6 +84,12 @@ class RealDevice final : public Device {
   at::TensorOptions tensorOptions(int index) override {
     return at::TensorOptions().device(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index)));
   }
+  int computeCapability(int index) override {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index));
+    return major * 10 + minor;
+  }
 };
 
 // Runtime.hpp numbers everything as NCCL does; these only change the type.

@@ -26,6 +26,7 @@ struct Options {
   int maxDelayUs = 100;             // each stream item waits a random 0..maxDelayUs before running
   int64_t eagerBytes = 64 * 1024;   // sends up to this size complete without a posted receive
   int64_t hangMs = 10000;           // a wait longer than this is reported as a hang (and goes on)
+  int computeCapability = 90;       // of every simulated device (90: 9.0, a Hopper GPU)
 };
 
 // One simulated machine: devices, streams, events, allocator, communicators, violation log.
