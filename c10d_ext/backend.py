@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
 from . import _C
-from .config import BY_FIELD, GROUP_FIELDS, parse_env
+from .config import BY_FIELD, GROUP_FIELDS, parse_env, torch_env
 
 
 class Options:
@@ -56,7 +55,8 @@ def make_config(options: Options | None = None, environ: dict | None = None) -> 
     cfg = _C.Config()
     for field in GROUP_FIELDS:
         setattr(cfg, field, values[field])
-    cfg.master_addr = os.environ.get("MASTER_ADDR", "")
+    for field, value in torch_env(environ).items():
+        setattr(cfg, field, value)
     return cfg
 
 

@@ -218,6 +218,19 @@ def parse_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:
     return out
 
 
+def torch_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:
+    """What the launcher (torchrun, or the user) says in torch's own variables that a group needs:
+    MASTER_ADDR (the route TCP listeners default to) and TORCHELASTIC_RESTART_COUNT (which attempt
+    of a torchrun job this is: each attempt takes its own key space in a store that outlives it)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    try:
+        restart = int(raw) if raw else 0
+    except ValueError:
+        raise ValueError(f"myccl: TORCHELASTIC_RESTART_COUNT={raw!r} is not an integer") from None
+    return {"master_addr": env.get("MASTER_ADDR", ""), "restart_count": restart}
+
+
 def describe(environ: os._Environ | dict | None = None) -> list[tuple[str, str, str, str]]:
     """(name, value in effect, default, meaning) for every variable."""
     env = os.environ if environ is None else environ

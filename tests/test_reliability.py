@@ -486,8 +486,8 @@ def body_foreign_client(ctx):
             import struct
 
             try:
-                store.wait(["myccl/0/tcp/addr/1"], timedelta(seconds=30))
-                addr = store.get("myccl/0/tcp/addr/1").decode()
+                store.wait(["myccl/a0/0/tcp/addr/1"], timedelta(seconds=30))
+                addr = store.get("myccl/a0/0/tcp/addr/1").decode()
                 host, port = addr.rsplit(":", 1)
                 hello = struct.pack("IIIIII", 0x4D59434C, 2, 0, 2, 0, 2) + b"x" * 32  # magic, version, rank,
                 for payload in (hello, b"GET / HTTP/1.0\r\n\r\n"):  # size, lane, lanes, wrong secret

@@ -13,6 +13,7 @@
   X(std::string, transport, "transport", "auto")          /* MYCCL_TRANSPORT */                  \
   X(std::string, socketIfname, "socket_ifname", "")       /* MYCCL_SOCKET_IFNAME */              \
   X(std::string, masterAddr, "master_addr", "")           /* MASTER_ADDR: the default route */   \
+  X(int64_t, restartCount, "restart_count", 0)            /* TORCHELASTIC_RESTART_COUNT */       \
   X(std::string, hostId, "host_id", "")                   /* MYCCL_HOST_ID */                    \
   X(bool, hierarchical, "hierarchical", true)             /* MYCCL_HIERARCHICAL */               \
   X(int, numThreads, "num_threads", 1)                    /* MYCCL_NUM_THREADS */                \

@@ -7,7 +7,13 @@
 
 #include <sys/mman.h>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <typeinfo>
 
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
@@ -61,13 +67,46 @@ std::shared_ptr<ShmGroup> sharedMemory(c10d::Store& store, const std::string& pr
   }
 }
 
+// Who this store is, as far as a process can tell: the chain of prefixes down to the store that
+// holds the keys, and that store's address when it has one. Two store objects over the same
+// keys (a fresh PrefixStore for every init over one TCPStore) give the same answer.
+std::string storeIdentity(c10d::Store& store) {
+  struct Peek : c10d::PrefixStore {  // PrefixStore keeps its prefix protected
+    static const std::string& prefixOf(c10d::PrefixStore& s) { return s.*(&Peek::prefix_); }
+  };
+  std::string id;
+  c10d::Store* s = &store;
+  while (auto* p = dynamic_cast<c10d::PrefixStore*>(s)) {
+    id += Peek::prefixOf(*p) + "/";
+    s = p->getUnderlyingStore().get();
+  }
+  if (auto* tcp = dynamic_cast<c10d::TCPStore*>(s)) return id + "@tcp:" + tcp->getHost() + ":" + std::to_string(tcp->getPort());
+  return id + "@" + typeid(*s).name();
+}
+
 }  // namespace
 
+std::string incarnationPrefix(c10d::Store& store, const Config& cfg) {
+  // Every rank of an incarnation must pick the same key space, and none that an earlier one used,
+  // whatever that one left behind. A count kept in the store cannot do it: a rank that died after
+  // counting (a torchrun attempt that failed while others were in init) moves it for one rank and
+  // not the others. So count locally, per store, the groups this process made on it, which every
+  // rank of a group does alike; and a torchrun attempt, whose fresh processes count from 0 again
+  // on the store the agent kept, takes the attempt's own space.
+  static std::mutex mu;
+  static std::map<std::string, int64_t> made;
+  int64_t n;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    n = made[storeIdentity(store)]++;
+  }
+  return "myccl/a" + std::to_string(cfg.restartCount) + "/" + std::to_string(n) + "/";
+}
+
 GroupLinks bootstrapGroup(c10d::Store& store, int rank, int size, std::chrono::milliseconds timeout,
-                          const std::string& group, const Config& cfg) {
+                          const std::string& group, const Config& cfg, const std::string& keyPrefix) {
   GroupLinks links;
-  const int64_t ticket = store.add("myccl/incarnation", 1);
-  links.keyPrefix = "myccl/" + std::to_string((ticket - 1) / size) + "/";
+  links.keyPrefix = keyPrefix.empty() ? incarnationPrefix(store, cfg) : keyPrefix;
   const std::string& prefix = links.keyPrefix;
   const std::string where = "init (rank " + std::to_string(rank) + ", group '" + group + "')";
   links.topo = Topology::exchange(store, prefix, rank, size, hostIdentity(cfg.hostId), timeout, where);

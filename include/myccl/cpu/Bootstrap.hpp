@@ -26,10 +26,15 @@ struct GroupLinks {
   std::shared_ptr<Transport> transport;
 };
 
+// The key space of a new incarnation of a group on `store`: the same on every rank, and never one
+// an earlier incarnation used, in this process or in an earlier torchrun attempt (Bootstrap.cpp).
+std::string incarnationPrefix(c10d::Store& store, const Config& cfg);
+
 // Collective over the group. A store reused across destroy/init never serves a previous
-// group's addresses or secret: every incarnation takes a fresh key space.
+// group's addresses or secret: every incarnation takes a fresh key space (incarnationPrefix), or
+// the one given (`keyPrefix`, which every rank derives alike: a shrunk group's).
 GroupLinks bootstrapGroup(c10d::Store& store, int rank, int size, std::chrono::milliseconds timeout,
-                          const std::string& group, const Config& cfg);
+                          const std::string& group, const Config& cfg, const std::string& keyPrefix = "");
 
 // Collective over the group's ranks: a zero-filled CPU tensor whose storage every rank of the
 // group on this host maps (one copy per host). `serial` numbers the calls (the same on every
