@@ -11,6 +11,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <dirent.h>
+#include <signal.h>
+
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -60,11 +63,67 @@ int usableCpus() {
 
 // ---- segments ------------------------------------------------------------------------------
 
+namespace {
+
+// This process's pid namespace, in hex ("0" where it cannot be told): a pid in a segment's name
+// means something only within it (containers may share /dev/shm and not their pids).
+const std::string& pidNamespaceTag() {
+  static const std::string tag = [] {
+    struct stat st {};
+    if (::stat("/proc/self/ns/pid", &st) != 0) return std::string("0");
+    char buf[32];
+    snprintf(buf, sizeof(buf), "%llx", static_cast<unsigned long long>(st.st_ino));
+    return std::string(buf);
+  }();
+  return tag;
+}
+
+// Whether `pid` is a process that still runs: not one that is gone, nor a zombie (dead, its exit
+// status not yet collected by its parent).
+bool processExists(pid_t pid) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = fopen(path, "r");
+  if (f == nullptr) return true;  // cannot tell: keep its names
+  char buf[512];
+  const size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char* close = strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces and ')'
+  return !(close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
+}
+
+}  // namespace
+
+void ShmSegment::sweepStale() {
+  // Names are "myccl-<pid>-<pid namespace>-<random>". A process killed while its name was still
+  // in /dev/shm (during a group's setup, or with registered memory no peer has mapped yet) leaves
+  // it behind, holding memory until reboot: remove those of processes of our pid namespace that
+  // no longer exist. Live ones, other namespaces' and unreadable names are left alone.
+  const std::string& ns = pidNamespaceTag();
+  if (ns == "0") return;
+  DIR* d = opendir("/dev/shm");
+  if (d == nullptr) return;
+  while (dirent* e = readdir(d)) {
+    const std::string n = e->d_name;
+    if (n.rfind("myccl-", 0) != 0) continue;
+    const size_t a = n.find('-', 6), b = a == std::string::npos ? a : n.find('-', a + 1);
+    if (b == std::string::npos || n.compare(a + 1, b - a - 1, ns) != 0) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(n.c_str() + 6, &end, 10);
+    if (end != n.c_str() + a || pid <= 0) continue;
+    if (!processExists(static_cast<pid_t>(pid))) shm_unlink(("/" + n).c_str());
+  }
+  closedir(d);
+}
+
 std::unique_ptr<ShmSegment> ShmSegment::create(size_t size, size_t commitBytes) {
   commitBytes = std::min(commitBytes, size);
   for (int attempt = 0; attempt < 8; ++attempt) {
-    // The creator's pid tells a leaked segment's owner; the random part makes it unguessable.
-    std::string name = "/myccl-" + std::to_string(getpid()) + "-" + randomHex(12);
+    // The creator's pid (in its namespace) tells a leaked segment's owner (sweepStale); the random
+    // part makes it unguessable.
+    std::string name = "/myccl-" + std::to_string(getpid()) + "-" + pidNamespaceTag() + "-" + randomHex(12);
     int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
     if (fd < 0 && errno == EEXIST) continue;
     MYCCL_CHECK(fd >= 0, "shared memory: shm_open(", name, ") failed: ", strerror(errno),
@@ -141,7 +200,7 @@ struct alignas(64) ShmGroup::Ctrl {
     std::atomic<uint32_t> live;
     uint64_t size;
     std::atomic<uint64_t> mappedBy;  // bit per local rank that mapped it; the last one unlinks
-    char name[40];
+    char name[64];
   } slots[kSlots];
 };
 
@@ -190,6 +249,7 @@ ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
   };
   std::string failure;
   try {
+    ShmSegment::sweepStale();  // what crashed processes of earlier groups left on this host
     // The mailbox slots get their pages when first used (ShmMailbox::put).
     mine_ = ShmSegment::create(segBytes_, mailboxOffset() + mailboxStates_);
     auto* c = reinterpret_cast<Ctrl*>(mine_->data());

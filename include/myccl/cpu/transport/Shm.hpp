@@ -31,6 +31,8 @@ class ShmSegment {
   // first `commitBytes` get pages now; the rest must be commit()ted before it is touched.
   static std::unique_ptr<ShmSegment> create(size_t size, size_t commitBytes = SIZE_MAX);
   static std::unique_ptr<ShmSegment> open(const std::string& name, size_t size);
+  // Removes the names that processes of this pid namespace which no longer exist left behind.
+  static void sweepStale();
   ~ShmSegment();
 
   void unlink();  // remove the name; the mapping stays valid
