@@ -50,6 +50,13 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
       timeout_(timeout),
       store_(store) {
   MYCCL_CHECK_ARG(size >= 1 && rank >= 0 && rank < size, "init: rank ", rank, " is not in [0, ", size, ")");
+  // torch describes a group's ranks as start + stride (stride -1: not evenly spaced).
+  if (!globalRanks_.empty()) {
+    rankStart_ = static_cast<int>(globalRanks_[0]);
+    rankStride_ = globalRanks_.size() > 1 ? static_cast<int>(globalRanks_[1] - globalRanks_[0]) : 1;
+    for (size_t i = 1; i < globalRanks_.size(); ++i)
+      if (globalRanks_[i] - globalRanks_[i - 1] != rankStride_) rankStride_ = -1;
+  }
   recorder_ = std::make_shared<Recorder>(group_, rank, size,
                                          static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)),
                                          cfg_.flightRecorderDump);
@@ -91,6 +98,9 @@ OpInfo MycclBackend::info(OpType type, const char* op, std::chrono::milliseconds
   i.name = op;
   i.seq = p2p ? p2pSeq_.fetch_add(1) : collSeq_.fetch_add(1) + 1;
   i.rank = rank_;
+  i.size = size_;
+  i.rankStart = rankStart_;
+  i.rankStride = rankStride_;
   i.group = group_;
   i.timeout = (timeout == c10d::kUnsetTimeout) ? timeout_.load() : timeout;
   // Extensions are rare: the flag keeps the lock off every op's path.

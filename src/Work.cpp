@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 #include <sched.h>
+#include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
 
 #include <mutex>
 #include <sstream>
@@ -60,15 +61,39 @@ const char* profilingTitle(const char* name) {
 
 }  // namespace
 
+namespace {
+
+// torch's profiler metadata for an op (only while a RecordFunction observer is installed: it
+// costs an allocation per op).
+void recordParamComms(const OpInfo& info, const std::vector<at::Tensor>& inputs,
+                      const std::vector<at::Tensor>& outputs) {
+  int64_t inNelems = 0, outNelems = 0;
+  for (const auto& t : inputs) inNelems += t.numel();
+  for (const auto& t : outputs) outNelems += t.numel();
+  const at::ScalarType dtype = !inputs.empty()    ? inputs[0].scalar_type()
+                               : !outputs.empty() ? outputs[0].scalar_type()
+                                                  : at::kByte;
+  const std::vector<int64_t> noSplits;
+  RECORD_PARAM_COMMS_DATA(static_cast<int64_t>(info.seq), std::make_tuple(info.group, std::string("myccl")), inputs,
+                          outputs, info.rank, std::string(info.name), inNelems, outNelems, dtype, noSplits, noSplits,
+                          info.rankStart, info.rankStride, info.size);
+}
+
+}  // namespace
+
 MycclWork::MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs)
     : c10d::Work(info.rank, info.type, profilingTitle(info.name), std::optional<std::vector<at::Tensor>>(inputs)),
       info_(std::move(info)),
       inputs_(std::move(inputs)),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(tensorListType())),
-      queuedAt_(std::chrono::steady_clock::now()) {}
+      queuedAt_(std::chrono::steady_clock::now()) {
+  if (at::hasCallbacks()) recordParamComms(info_, inputs_, outputs_);
+}
 
 MycclWork::~MycclWork() = default;
+
+
 
 bool MycclWork::isCompleted() {
   std::lock_guard<std::mutex> lk(mutex_);

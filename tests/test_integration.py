@@ -450,6 +450,26 @@ def body_work_api(ctx):
         rep.check(name in ev, f"profiler has no {name} (got {sorted(ev)})")
         if name in ev and shapes is not None:
             rep.check(ev[name] == shapes, f"{name} input shapes {ev[name]} != {shapes}")
+    # torch's comm metadata: a "record_param_comms" event per op, as torch's own backends emit it
+    import json
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), f"trace{r}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    comms = [e.get("args", {}) for e in events if e.get("name") == "record_param_comms"]
+    names = {a.get("Collective name") for a in comms}
+    want = {"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+            "barrier"}
+    rep.check(want <= names, f"record_param_comms collectives {sorted(map(str, names))}")
+    ar = [a for a in comms if a.get("Collective name") == "all_reduce"]
+    rep.check(bool(ar) and ar[0].get("In msg nelems") == 15 and ar[0].get("Out msg nelems") == 15 and
+              ar[0].get("Group size") == n and ar[0].get("dtype") == "Float" and
+              str(ar[0].get("Process Group Name")) == dist.group.WORLD.group_name and
+              ar[0].get("Process Group Ranks") == str(list(range(n))).replace(" ", "").replace(",", ", "),
+              f"all_reduce comm metadata {ar[:1]}")
     seq = seq_number()
     return rep.result(), seq
 

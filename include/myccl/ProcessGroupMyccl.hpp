@@ -164,6 +164,7 @@ class MycclBackend final : public c10d::Backend {
 
   const std::string group_;
   const std::vector<int64_t> globalRanks_;
+  int rankStart_ = 0, rankStride_ = 1;  // globalRanks_ as torch's profiler metadata puts them
   const Config cfg_;
   std::atomic<std::chrono::milliseconds> timeout_;
   c10::intrusive_ptr<c10d::Store> store_;

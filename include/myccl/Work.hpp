@@ -23,6 +23,8 @@ struct OpInfo {
                             // profiler ranges and stats
   uint64_t seq = 0;   // per-group sequence number (collectives) or p2p counter
   int rank = -1;      // this rank in the group
+  int size = 0;       // the group's size, and its ranks in the default group as start + stride
+  int rankStart = 0, rankStride = 1;  // (for torch's profiler metadata; stride -1: uneven)
   std::string group;  // group name
   std::chrono::milliseconds timeout{0};
   bool asyncOp = true;  // false: the caller waits at once (the engine may run it inline)
@@ -40,7 +42,9 @@ struct OpInfo {
 class MycclWork : public c10d::Work {
  public:
   // The profiler range ("myccl:all_reduce", with input shapes) opens here and closes when
-  // the work completes.
+  // the work completes; while a profiler listens, the op is also recorded here (on the calling
+  // thread) as torch's "record_param_comms" event with torch's comm metadata (collective name,
+  // element counts, dtype, group name and ranks), as torch's own backends record it.
   MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs);
   ~MycclWork() override;
 
@@ -56,6 +60,7 @@ class MycclWork : public c10d::Work {
   uint64_t getSequencenumber() const override;
 
   const OpInfo& info() const { return info_; }
+
   // Completed by a device (the CUDA engine's Works), not by an engine thread.
   virtual bool onDevice() const { return false; }
   std::chrono::steady_clock::time_point startTime() const { return started_.load() ? startedAt_ : queuedAt_; }
