@@ -153,6 +153,40 @@ def cross_size(group=None) -> int:
 __all__ += ["local_rank", "local_size", "cross_rank", "cross_size"]
 
 
+def survivors(group=None, timeout=None) -> list[int]:
+    """After a failure, the ranks of `group` that are still running, the same list on every one.
+
+    Collective among the survivors: each calls it (typically where it caught the error of a
+    failed op) and gets the group ranks that called it within `timeout` (a timedelta or
+    seconds; default: the group's timeout). Ranks this rank saw die are not waited for, so
+    when a process was killed the survivors settle at once; a rank that is silent but not known
+    to be dead is waited for until the timeout. A rank that arrives after the others settled
+    raises: it is not part of the group that goes on. Meets through the group's store, so it
+    works on a group whose links a failure closed. Then, on torch 2.14 or newer:
+
+        alive = c10d_ext.survivors()
+        dist.shrink_group([r for r in range(dist.get_world_size()) if r not in alive])
+    """
+    ms = 0
+    if timeout is not None:
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+        if seconds <= 0:
+            raise ValueError(f"myccl: survivors: timeout must be positive, got {timeout!r}")
+        ms = max(1, int(seconds * 1000))
+    import datetime as _dt
+
+    return list(_myccl_backend(group).survivors(_dt.timedelta(milliseconds=ms)))
+
+
+def vanished_ranks(group=None) -> list[int]:
+    """The ranks of `group` whose process this rank saw die: their links ended without a word
+    (not ranks that left orderly or reported a failure of their own)."""
+    return list(_myccl_backend(group).vanished_ranks)
+
+
+__all__ += ["survivors", "vanished_ranks"]
+
+
 from . import hooks  # noqa: E402
 from .ddp import DistributedDataParallel  # noqa: E402
 

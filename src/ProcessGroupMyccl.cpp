@@ -42,7 +42,7 @@ class CoalescingGuard {
 
 MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks,
-                           Config cfg)
+                           Config cfg, const std::string& keyPrefix)
     : Backend(rank, size),
       group_(std::move(groupName)),
       globalRanks_(std::move(globalRanks)),
@@ -60,7 +60,7 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   recorder_ = std::make_shared<Recorder>(group_, rank, size,
                                          static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)),
                                          cfg_.flightRecorderDump);
-  cpu_ = std::make_unique<cpu::CpuEngine>(store_, rank, size, timeout, group_, cfg_, recorder_);
+  cpu_ = std::make_unique<cpu::CpuEngine>(store_, rank, size, timeout, group_, cfg_, recorder_, keyPrefix);
   cpu_->setAbortHooks(abortHooks_);  // before any op can fail
   RecorderRegistry::get().add(recorder_);  // once the group is up: a failed init leaves nothing
   if (cfg_.flightRecorderEntries > 0) RecorderRegistry::get().installSignalHandler();

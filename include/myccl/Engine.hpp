@@ -29,6 +29,12 @@ namespace cuda::testdouble {
 class Machine;
 }
 
+// What a split hands from a group's engine to the engine of the group split from it (its NCCL
+// communicators, split by NCCL); opaque outside the engine that made it.
+struct SplitParts {
+  virtual ~SplitParts() = default;
+};
+
 class Engine {
  public:
   using WorkPtr = c10::intrusive_ptr<MycclWork>;
@@ -68,6 +74,15 @@ class Engine {
   // their own device work with the engine's streams (the DDP Reducer).
   virtual std::shared_ptr<cuda::Device> deviceSeam() const { return nullptr; }
   virtual void setTimeout(std::chrono::milliseconds timeout) {}
+  // Collective over this group, every rank in the same order as its ops: the resources a group
+  // split from this one can take over (NCCL: each group communicator split with `color`, this
+  // rank's rank `key` in the new group; color < 0: this rank is in no new group and gets null).
+  // Null where the engine has nothing to share: the new group then makes its own on first use.
+  virtual std::shared_ptr<SplitParts> splitParts(int color, int key, std::chrono::milliseconds timeout) {
+    return nullptr;
+  }
+  // On the new group's engine, before its first op: take over what splitParts made.
+  virtual void adoptSplit(std::shared_ptr<SplitParts> parts) {}
   virtual void abort(const std::string& why) = 0;  // no waiting for peers
   virtual void shutdown() = 0;                      // finish queued work, then leave
   virtual bool failed() const = 0;

@@ -32,14 +32,16 @@ class Device;
 
 class MycclBackend final : public c10d::Backend {
  public:
+  // `keyPrefix`: where in the store the group meets (empty: a fresh incarnation's key space; a
+  // shrunk group passes the one its members derive from their parent).
   MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
-               std::string groupName, std::vector<int64_t> globalRanks, Config cfg);
+               std::string groupName, std::vector<int64_t> globalRanks, Config cfg, const std::string& keyPrefix = "");
   ~MycclBackend() override;
 
   const std::string getBackendName() const override { return "myccl"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
   bool supportsCoalescing() const override { return true; }
-  bool supportsSplitting() const override { return false; }
+  bool supportsSplitting() const override { return true; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
@@ -121,6 +123,32 @@ class MycclBackend final : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
+  // torch's split_group: called on every rank of this group with the ranks (of this group, in the
+  // new group's order) of the caller's new group; null for a rank not in it. The group's NCCL
+  // communicators are split with ncclCommSplit (collective over this group); the CPU side meets
+  // in `store`, torch's key space for the new group. merge: a group of `size` ranks of several
+  // groups through `store`. Both declared without `override` (see shrink).
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts);
+  c10::intrusive_ptr<c10d::Backend> merge(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const c10::intrusive_ptr<Options>& opts, const int& rank, const int& size);
+
+  // torch's shrink_group: a new group of this group's ranks but `ranksToExclude`, made by those
+  // ranks alone (the excluded ones may be dead, and must not call it) over this group's store, in
+  // a key space every member derives from this group's and the excluded ranks; no new store, no
+  // relaunch. SHRINK_ABORT (1) aborts this group's pending work first. `optsOverride`: its timeout
+  // replaces this group's. Declared without `override` (TorchCompat.hpp: torch releases without
+  // shrink get a plain method).
+  bool supportsShrinking() const { return true; }
+  // After a failure, among the ranks still running: the group ranks that called this within
+  // `timeout` (zero: the group's), the same list on every rank that gets one; ranks this rank's
+  // links saw die are not waited for. A rank that arrives after the others settled raises.
+  // Meets through the store (Recovery.cpp), so it works on a group whose links are closed.
+  std::vector<int> survivors(std::chrono::milliseconds timeout);
+  // The group ranks whose process this rank's links saw die.
+  std::vector<int> vanishedRanks() const;
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
+                                           const c10::intrusive_ptr<Options>& optsOverride = nullptr);
   // The engine an op sends a (valid) tensor to, by the one rule every op routes with: true for
   // the CUDA engine (CUDA tensors, and CPU tensors under the CUDA test double). For callers that
   // must choose between CPU-only and device paths as the backend does (the DDP Reducer).
@@ -189,6 +217,8 @@ class MycclBackend final : public c10d::Backend {
   std::atomic<bool> coalescing_{false};  // written under coalesceMu_; read without it on every op
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::atomic<bool> shutdown_{false};
+  std::atomic<int> shrinks_{0};  // groups shrunk from this one (numbers their key spaces)
+  std::atomic<int> survivorRounds_{0};  // survivors() calls (numbers their key spaces)
 };
 
 }  // namespace myccl

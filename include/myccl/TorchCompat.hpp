@@ -60,6 +60,11 @@ using NodePtr = c10::intrusive_ptr<torch::autograd::Node>;
 using NodePtr = std::shared_ptr<torch::autograd::Node>;
 #endif
 
+// Backend virtuals that not every supported torch declares (shrink, supportsShrinking, split,
+// merge) are declared in MycclBackend without `override`: where torch has the virtual with that
+// signature they override it, elsewhere they are plain methods torch never calls. The Python
+// tests check each capability through torch's own binding where torch has one.
+
 // Op types torch added later than the ops themselves. Before, torch's own process groups report
 // such an op as COALESCED, so myccl's Work does the same there (its profiler range and stats
 // still carry the op's own name).

@@ -56,8 +56,9 @@ at::Tensor privateCopy(const at::Tensor& t) {
 }  // namespace
 
 CpuEngine::CpuEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
-                     std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder)
-    : CpuEngine(store, bootstrapGroup(*store, rank, size, timeout, group, cfg), std::move(group), cfg,
+                     std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder,
+                     const std::string& keyPrefix)
+    : CpuEngine(store, bootstrapGroup(*store, rank, size, timeout, group, cfg, keyPrefix), std::move(group), cfg,
                 std::move(recorder)) {}
 
 CpuEngine::CpuEngine(c10::intrusive_ptr<c10d::Store> store, GroupLinks links, std::string group, const Config& cfg,
@@ -370,6 +371,10 @@ std::string CpuEngine::describeLinks() const {
   for (int r = 0; r < size_; ++r)
     if (r != rank_) os << "rank " << r << ": " << transport_->describePeer(r) << "\n";
   return os.str();
+}
+
+std::vector<int> CpuEngine::vanishedRanks() const {
+  return transport_->vanishedPeers();
 }
 
 int CpuEngine::rejectedConnections() const {

@@ -83,6 +83,10 @@ CommSlot& NcclEngine::Impl::create(const std::string& key, const std::vector<int
     throw;
   }
   forget();
+  return addSlot(key, std::move(comm), device, pair ? members[0] : -1);
+}
+
+CommSlot& NcclEngine::Impl::addSlot(const std::string& key, std::shared_ptr<NcclComm> comm, int device, int lowRank) {
   watchdog->start(device);
   watchdog->addComm(comm);
   auto slot = std::make_unique<CommSlot>();
@@ -91,10 +95,89 @@ CommSlot& NcclEngine::Impl::create(const std::string& key, const std::vector<int
   slot->device = device;
   slot->stream = rt.device->newStream(device, cfg.highPriorityStream);
   slot->ready = rt.device->newEvent();
-  slot->lowRank = pair ? members[0] : -1;
+  slot->lowRank = lowRank;
   auto& ref = *slot;
   slots[key] = std::move(slot);
   return ref;
+}
+
+namespace {
+
+// The group communicators of a split, by device, in the order the parent made them.
+struct NcclSplitParts final : SplitParts {
+  std::vector<std::pair<int, std::shared_ptr<NcclComm>>> comms;
+};
+
+}  // namespace
+
+std::shared_ptr<SplitParts> NcclEngine::splitParts(int color, int key, std::chrono::milliseconds timeout) {
+  auto& I = *impl_;
+  OpInfo info;
+  info.op = info.name = "split";
+  info.rank = I.rank;
+  info.group = I.group;
+  info.timeout = timeout;
+  const std::string where = info.describe();
+  std::lock_guard<std::mutex> lk(I.issueMu);
+  I.checkOpen(info);
+  auto parts = std::make_shared<NcclSplitParts>();
+  const auto deadline = Clock::now() + timeout;
+  if (I.groupComms > 0) {
+    // ncclCommSplit blocks until every rank of the parent calls it: meet in the store first, so a
+    // rank that never comes is named in a timeout error instead of hanging inside NCCL.
+    const std::string base = I.prefix + "nccl/split" + std::to_string(I.splits) + "/here/";
+    I.store->set(base + std::to_string(I.rank), std::vector<uint8_t>{1});
+    std::vector<std::string> keys;
+    std::vector<int> owners;
+    for (int r = 0; r < I.size; ++r) {
+      keys.push_back(base + std::to_string(r));
+      owners.push_back(r);
+    }
+    I.awaitKeys(keys, owners, deadline, "split_group on this group", where);
+  }
+  // Every rank of this group made its n-th group communicator at the same op: split them in that
+  // order ("group0", "group1", ...), so that each ncclCommSplit meets its peers' (NCCL: collective).
+  for (int n = 0; n < I.groupComms; ++n) {
+    const std::string parentKey = "group" + std::to_string(n);
+    CommSlot& parent = *I.slots.at(parentKey);
+    auto child = std::make_shared<NcclComm>(I.rt, parent.device, "myccl:" + I.group + ":split" +
+                                            std::to_string(I.splits) + ":" + parentKey, !I.cfg.ncclNonblocking);
+    {
+      std::lock_guard<std::mutex> clk(I.creatingMu);
+      I.creating.push_back(child);  // abort() reaches it while NCCL makes it
+    }
+    auto forget = [&] {
+      std::lock_guard<std::mutex> clk(I.creatingMu);
+      I.creating.erase(std::remove(I.creating.begin(), I.creating.end(), child), I.creating.end());
+    };
+    try {
+      DeviceGuard guard(I.dev, parent.device);
+      const bool made = child->split(*parent.comm, color, key, deadline, where);
+      forget();
+      if (made) parts->comms.emplace_back(parent.device, std::move(child));
+    } catch (const std::exception& e) {
+      forget();
+      // The parent's communicator took part in a collective that failed: the group cannot go on.
+      I.watchdog->fail(where + ": " + errorText(e), false);
+      throw;
+    }
+  }
+  ++I.splits;
+  if (color < 0 || parts->comms.empty()) return nullptr;
+  return parts;
+}
+
+void NcclEngine::adoptSplit(std::shared_ptr<SplitParts> parts) {
+  auto* p = dynamic_cast<NcclSplitParts*>(parts.get());
+  MYCCL_CHECK(p != nullptr, "adopt_split (rank ", impl_->rank, "): not the CUDA engine's split");
+  auto& I = *impl_;
+  std::lock_guard<std::mutex> lk(I.issueMu);
+  MYCCL_CHECK(I.groupComms == 0, "adopt_split (rank ", I.rank, "): the group already has communicators");
+  for (auto& [device, comm] : p->comms) {
+    const std::string key = "group" + std::to_string(I.groupComms++);
+    I.addSlot(key, comm, device, -1);
+    I.groupKeyOf[device] = key;
+  }
 }
 
 CommSlot& NcclEngine::Impl::groupSlot(int device, Clock::time_point deadline, const std::string& where) {

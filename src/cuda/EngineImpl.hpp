@@ -260,6 +260,7 @@ struct NcclEngine::Impl {
   std::map<int, std::string> groupKeyOf;                   // device -> key of its group slot
   std::map<std::string, int> creations;                    // store-key attempts per slot key
   int groupComms = 0;
+  int splits = 0;  // splitParts calls (names the communicators they make)
   std::atomic<int> lastDevice{-1};  // the device of the latest op (barrier's default)
 
   // Communicators being created, so that abort() reaches them too.
@@ -318,6 +319,8 @@ struct NcclEngine::Impl {
   // interrupted by abort(). `pair`: a two-rank point-to-point communicator.
   CommSlot& create(const std::string& key, const std::vector<int>& members, bool pair, int device,
                    Clock::time_point deadline, const std::string& where);
+  // Registers a made communicator as the slot `key` (watchdog, stream, ready event).
+  CommSlot& addSlot(const std::string& key, std::shared_ptr<NcclComm> comm, int device, int lowRank);
   // Waits for keys other ranks publish, in short slices so that abort() is noticed.
   void awaitKeys(const std::vector<std::string>& keys, const std::vector<int>& ranks, Clock::time_point deadline,
                  const std::string& what, const std::string& where);

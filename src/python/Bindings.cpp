@@ -148,6 +148,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("dir"), py::arg("reason") = "requested")
       .def("_abandon_coalescing", &myccl::MycclBackend::abandonCoalescing, py::arg("why"),
            py::call_guard<py::gil_scoped_release>())
+      .def("survivors", &myccl::MycclBackend::survivors, py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("vanished_ranks", [](const myccl::MycclBackend& b) { return b.vanishedRanks(); })
+      // torch binds these from the release that has shrink; ours for every torch (and the tests).
+      .def_property_readonly("_supports_shrinking", &myccl::MycclBackend::supportsShrinking)
+      // torch's new_group asks a parent that supports splitting and is bound to a device to take
+      // part in NCCL's split on ranks outside the new group. myccl's new_group makes its own
+      // communicators among the members (only split_group splits), so there is nothing to join.
+      .def("perform_nocolor_split", [](myccl::MycclBackend&, const at::Device&) {}, py::arg("device"))
       .def("stats", &myccl::MycclBackend::stats)
       .def("reset_stats", &myccl::MycclBackend::resetStats);
 

@@ -53,9 +53,11 @@ class Stats {
 
 class CpuEngine final : public Engine {
  public:
-  // Collective over the group: bootstraps its links (Bootstrap.hpp), then starts the op thread.
+  // Collective over the group: bootstraps its links (Bootstrap.hpp) in `keyPrefix` (empty: a fresh
+  // incarnation's), then starts the op thread.
   CpuEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
-            std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder);
+            std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder,
+            const std::string& keyPrefix = "");
   ~CpuEngine() override;
 
   WorkPtr broadcast(OpInfo info, at::Tensor t, int root) override;
@@ -97,6 +99,8 @@ class CpuEngine final : public Engine {
   std::string describeLinks() const;
   // Connections refused during setup because they did not present the group's secret.
   int rejectedConnections() const;
+  // Ranks whose process this rank saw die (Transport::vanishedPeers).
+  std::vector<int> vanishedRanks() const;
   bool usesSharedMemory() const { return shm_ != nullptr; }
   Stats& stats() { return *stats_; }
   at::Tensor allocateTensor(int64_t numel, const at::TensorOptions& options);

@@ -59,6 +59,9 @@ class NcclEngine final : public Engine {
   WorkPtr endCoalescing(const OpInfo& info) override;
 
   void eagerConnect(at::Device device) override;
+  // ncclCommSplit of every group communicator, in the order they were made (the same on every rank).
+  std::shared_ptr<SplitParts> splitParts(int color, int key, std::chrono::milliseconds timeout) override;
+  void adoptSplit(std::shared_ptr<SplitParts> parts) override;
   int lastDevice() const override;
   // MYCCL_DEBUG=DETAIL: called with every collective before it is issued (or held in a block);
   // raises when the ranks disagree about the op, so a desync is an error, not a hung kernel.

@@ -121,6 +121,7 @@ void TcpTransport::handleReadable(int peer, std::vector<std::function<void()>>& 
       ssize_t r = ::recv(p.fd, reinterpret_cast<char*>(&p.hdr) + p.hdrGot, sizeof(Frame) - p.hdrGot, 0);
       if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
         std::lock_guard<std::mutex> lk(mu_);
+        markVanishedLocked(peer);
         std::string why = !p.deadReason.empty() ? p.deadReason
                           : r == 0 ? "rank " + std::to_string(peer) + " (" + p.addr +
                                          ") closed the connection: the process exited or crashed"
@@ -148,6 +149,7 @@ void TcpTransport::handleReadable(int peer, std::vector<std::function<void()>>& 
     ssize_t r = ::recv(p.fd, dst, want, 0);
     if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
       std::lock_guard<std::mutex> lk(mu_);
+      markVanishedLocked(peer);
       std::string why = !p.deadReason.empty() ? p.deadReason
                         : "rank " + std::to_string(peer) + " (" + p.addr +
                               ") closed the connection in the middle of a message: the process exited or crashed";

@@ -13,6 +13,20 @@ namespace myccl::cpu {
 
 using namespace tcp;
 
+// Called with mu_ held when the control socket to `peer` ended or broke.
+void TcpTransport::markVanishedLocked(int peer) {
+  auto& p = *peers_[peer];
+  if (!closed_ && !p.dead && !p.orderlyGoodbye && !p.goodbyeIsFailure) p.vanished = true;
+}
+
+std::vector<int> TcpTransport::vanishedPeers() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<int> out;
+  for (int r = 0; r < setup_.size; ++r)
+    if (r != setup_.rank && peers_[r]->vanished) out.push_back(r);
+  return out;
+}
+
 // Called with mu_ held, on the epoll thread (or in close() after it stopped).
 void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done) {
   auto& p = *peers_[peer];

@@ -66,6 +66,7 @@ class TcpTransport final : public Transport {
   bool cancel(const RequestPtr& req) override;
   std::string peerGone(int peer) const override;
   std::vector<std::pair<int, uint64_t>> unmatched() const override;
+  std::vector<int> vanishedPeers() const override;
 
   int rejectedConnections() const override { return rejected_.load(); }
 
@@ -106,6 +107,7 @@ class TcpTransport final : public Transport {
   void wake();
   // A peer that is gone (TcpShutdown.cpp, with close()).
   void peerFailedLocked(int peer, const std::string& why, std::vector<std::function<void()>>& done);
+  void markVanishedLocked(int peer);
   // Same-host fast paths (TcpSameHost.cpp).
   void directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedRecv> pr, uint64_t sendId, uint64_t addr,
                   uint64_t pid);

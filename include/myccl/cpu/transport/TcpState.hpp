@@ -56,6 +56,9 @@ struct TcpTransport::Peer {
   int fd = -1;
   std::string addr;
   bool dead = false;
+  // Its connection ended without a goodbye while this side was open: the process died (or its
+  // host or network did). Not set for a peer that closed orderly or said it failed.
+  bool vanished = false;
   std::string deadReason;
   // Send side (under mu_).
   std::deque<std::unique_ptr<SendItem>> sendq;

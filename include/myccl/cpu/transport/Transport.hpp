@@ -104,6 +104,9 @@ class Transport {
   virtual std::vector<std::pair<int, uint64_t>> unmatched() const { return {}; }
   // Connections refused during setup because they did not present the group's secret.
   virtual int rejectedConnections() const { return 0; }
+  // Peers whose link ended without a goodbye while this transport was open: their process died
+  // (not one that left orderly, said it failed, or was cut off by our own close()).
+  virtual std::vector<int> vanishedPeers() const { return {}; }
 };
 
 // Waits for every request; the first failure is thrown at once. Requests still pending then

@@ -1,0 +1,171 @@
+// Groups made from a group: split (torch's split_group; NCCL communicators split by NCCL), merge,
+// and going on after a failure without a relaunch: which ranks are still there (survivors) and a
+// new group of them (shrink). Survivors and shrink meet through the group's store, never through
+// its links, which a failure closes.
+#include <algorithm>
+#include <sstream>
+#include <thread>
+
+#include "myccl/Engine.hpp"
+#include "myccl/Errors.hpp"
+#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/cpu/Engine.hpp"
+
+namespace myccl {
+
+namespace {
+
+std::string joinRanks(const std::vector<int>& ranks) {
+  std::string s;
+  for (int r : ranks) s += (s.empty() ? "" : ",") + std::to_string(r);
+  return s;
+}
+
+std::vector<int> parseRanks(const std::vector<uint8_t>& bytes) {
+  std::vector<int> out;
+  std::stringstream in(std::string(bytes.begin(), bytes.end()));
+  std::string item;
+  while (std::getline(in, item, ','))
+    if (!item.empty()) out.push_back(std::stoi(item));
+  return out;
+}
+
+std::vector<uint8_t> toBytes(const std::string& s) {
+  return {s.begin(), s.end()};
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> MycclBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                      const std::vector<int>& ranks,
+                                                      const c10::intrusive_ptr<Options>& opts) {
+  const auto w = where("split");
+  MYCCL_CHECK_ARG(!ranks.empty(), w, ": the new group has no ranks");
+  std::vector<bool> seen(size_, false);
+  int myIndex = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int r = ranks[i];
+    MYCCL_CHECK_ARG(r >= 0 && r < size_, w, ": rank ", r, " of the new group is not in [0, ", size_, ")");
+    MYCCL_CHECK_ARG(!seen[r], w, ": rank ", r, " appears twice in the new group");
+    seen[r] = true;
+    if (r == rank_) myIndex = static_cast<int>(i);
+  }
+  const auto timeout = opts ? opts->timeout : timeout_.load();
+  // Collective over this group (torch calls split on every rank of it): NCCL splits the group's
+  // communicators with the lowest rank of each new group as its color, which every member agrees
+  // on and no other group of this split has (their ranks do not overlap).
+  std::shared_ptr<SplitParts> parts;
+  std::shared_ptr<Engine> cuda;
+  {
+    std::lock_guard<std::mutex> lk(cudaMu_);
+    cuda = cuda_;
+  }
+  if (cuda) {
+    const int color = myIndex < 0 ? -1 : *std::min_element(ranks.begin(), ranks.end());
+    parts = cuda->splitParts(color, myIndex, timeout);
+  }
+  if (myIndex < 0) return nullptr;  // not a member: no group, as torch expects
+  std::vector<int64_t> members;
+  for (int r : ranks) members.push_back(globalRanks_.empty() ? r : globalRanks_[r]);
+  const std::string name = opts && !opts->group_name.empty() ? opts->group_name : group_ + ":split";
+  // The CPU side meets in the store torch gives the new group (its name's own key space).
+  auto child = c10::make_intrusive<MycclBackend>(store, myIndex, static_cast<int>(ranks.size()), timeout, name,
+                                                 std::move(members), cfg_);
+  if (parts) child->cudaEngine("split").adoptSplit(std::move(parts));
+  return child;
+}
+
+c10::intrusive_ptr<c10d::Backend> MycclBackend::merge(const c10::intrusive_ptr<c10d::Store>& store,
+                                                      const c10::intrusive_ptr<Options>& opts, const int& rank,
+                                                      const int& size) {
+  const auto w = where("merge");
+  MYCCL_CHECK_ARG(size >= 1 && rank >= 0 && rank < size, w, ": rank ", rank, " is not in [0, ", size, ")");
+  // Ranks of several groups, possibly never connected: a group of its own through the store torch
+  // gives, with this group's settings.
+  const auto timeout = opts ? opts->timeout : timeout_.load();
+  const std::string name = opts && !opts->group_name.empty() ? opts->group_name : group_ + ":merge";
+  return c10::make_intrusive<MycclBackend>(store, rank, size, timeout, name, std::vector<int64_t>{}, cfg_);
+}
+
+std::vector<int> MycclBackend::vanishedRanks() const {
+  return cpu_->vanishedRanks();
+}
+
+std::vector<int> MycclBackend::survivors(std::chrono::milliseconds timeout) {
+  const auto w = where("survivors");
+  MYCCL_CHECK_ARG(timeout.count() >= 0, w, ": timeout must not be negative, got ", timeout.count(), " ms");
+  if (timeout.count() == 0) timeout = timeout_.load();
+  // A connection of its own: other threads of this process may be using the group's.
+  auto store = store_->clone();
+  const std::string base = cpu_->keyPrefix() + "survivors" + std::to_string(survivorRounds_++) + "/";
+  auto hereKey = [&](int r) { return base + "here/" + std::to_string(r); };
+  // Each rank says it is here, and which ranks it saw die (their links ended without a word):
+  // nobody waits for those, so survivors settle at once when a process was killed, and only a
+  // rank that is silent but not known dead (stalled, or on a host that vanished) costs the timeout.
+  store->set(hereKey(rank_), toBytes(joinRanks(cpu_->vanishedRanks())));
+  std::vector<bool> here(size_, false), dead(size_, false);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto sleep = std::chrono::milliseconds(1);
+  for (;;) {
+    for (int r = 0; r < size_; ++r) {
+      if (here[r] || !store->check({hereKey(r)})) continue;
+      here[r] = true;
+      for (int d : parseRanks(store->get(hereKey(r))))
+        if (d >= 0 && d < size_) dead[d] = true;
+    }
+    bool settled = true;
+    for (int r = 0; r < size_; ++r) settled = settled && (here[r] || dead[r]);
+    if (settled || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(sleep);
+    sleep = std::min(sleep * 2, std::chrono::milliseconds(20));
+  }
+  // The first rank to settle decides for all, so every rank gets the same list.
+  std::vector<int> mine;
+  for (int r = 0; r < size_; ++r)
+    if (here[r]) mine.push_back(r);
+  const auto verdict = parseRanks(store->compareSet(base + "verdict", {}, toBytes(joinRanks(mine))));
+  if (std::find(verdict.begin(), verdict.end(), rank_) == verdict.end()) {
+    throwDistError("myccl: " + w + ": the other ranks settled on survivors [" + joinRanks(verdict) +
+                   "] before this rank arrived (it came after their timeout of " + std::to_string(timeout.count()) +
+                   " ms); it is not part of the group that goes on");
+  }
+  return verdict;
+}
+
+c10::intrusive_ptr<c10d::Backend> MycclBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+                                                       const c10::intrusive_ptr<Options>& optsOverride) {
+  const auto w = where("shrink");
+  MYCCL_CHECK_ARG(!ranksToExclude.empty(), w, ": no rank to exclude");
+  MYCCL_CHECK_ARG(shrinkFlags == 0 || shrinkFlags == 1, w, ": unknown shrink flags ", shrinkFlags,
+                  " (SHRINK_DEFAULT = 0, SHRINK_ABORT = 1)");
+  std::vector<bool> excluded(size_, false);
+  for (int64_t r : ranksToExclude) {
+    MYCCL_CHECK_ARG(r >= 0 && r < size_, w, ": rank ", r, " to exclude is not in [0, ", size_, ")");
+    MYCCL_CHECK_ARG(!excluded[r], w, ": rank ", r, " is excluded twice");
+    MYCCL_CHECK_ARG(r != rank_, w, ": rank ", r, " is this rank, which the new group would exclude; only the "
+                    "ranks that stay call shrink");
+    excluded[r] = true;
+  }
+  std::vector<int64_t> members;  // global ranks of the new group, in this group's order
+  int newRank = -1;
+  std::string gone;  // the excluded ranks, in the key space: members that disagree never meet
+  for (int r = 0; r < size_; ++r) {
+    if (excluded[r]) {
+      gone += "_" + std::to_string(r);
+      continue;
+    }
+    if (r == rank_) newRank = static_cast<int>(members.size());
+    members.push_back(globalRanks_.empty() ? r : globalRanks_[r]);
+  }
+  if (shrinkFlags == 1) {
+    for (Engine* e : engines()) e->abort("shrink with SHRINK_ABORT on rank " + std::to_string(rank_));
+  }
+  const auto timeout = optsOverride ? optsOverride->timeout : timeout_.load();
+  const std::string prefix = cpu_->keyPrefix() + "shrink" + std::to_string(shrinks_++) + "/x" + gone + "/";
+  // This group's store object (not a clone, which would be one more connection per shrink): the new
+  // group keeps it alive when torch destroys this one, and nothing here changes its settings.
+  return c10::make_intrusive<MycclBackend>(store_, newRank, static_cast<int>(members.size()),
+                                           timeout, group_ + ":shrunk", std::move(members), cfg_, prefix);
+}
+
+}  // namespace myccl

@@ -1,0 +1,124 @@
+"""One rank of a job that loses ranks and goes on (tests/test_recovery.py): data-parallel training
+with c10d_ext.DistributedDataParallel; a rank named in the plan SIGKILLs itself in the middle of
+a step's backward; the others catch the failed step, agree on the survivors, shrink the default
+group (torch's shrink_group) and redo the step on the smaller group. Writes <out>/rank<R>.json.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BATCH = 24  # divisible by every world size the job goes through (4, 3, 2)
+
+
+def model_and_data(steps: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 1, generator=g)) for _ in range(steps)]
+    return model, data
+
+
+def reference(steps: int, lr: float) -> list[list[float]]:
+    """One process over the whole batch: what every survivor's parameters must equal, since the
+    average of the ranks' mean-loss gradients over equal shards is the whole batch's."""
+    model, data = model_and_data(steps)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def _shm_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return len({line.split()[-1] for line in f if "/myccl-" in line})
+
+
+def _resources() -> dict:
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
+            "tasks": len(os.listdir("/proc/self/task")), "shm_maps": _shm_mappings()}
+
+
+def run(rank: int, size: int, port: int, out_dir: str, kills: dict, steps: int, timeout_s: float) -> None:
+    import c10d_ext
+
+    result: dict = {"rank": rank, "events": []}
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("myccl", store=dist.PrefixStore("job", store), rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+        model, data = model_and_data(steps)
+        lr = 0.05
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        ddp = c10d_ext.DistributedDataParallel(model)
+        dist.barrier()
+        result["start"] = _resources()
+        s = 0
+        while s < steps:
+            n, me = dist.get_world_size(), dist.get_rank()
+            x, y = data[s]
+            k = BATCH // n
+            victim = kills.get(str(s)) == rank
+            handle = None
+            if victim:
+                def die(grad):
+                    with open(os.path.join(out_dir, f"killed{rank}"), "w") as f:
+                        f.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    return grad
+                handle = model[0].weight.register_hook(die)  # mid-backward: other grads are out
+            failed = None
+            try:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(x[me * k:(me + 1) * k]), y[me * k:(me + 1) * k]).backward()
+                opt.step()
+            except Exception as e:  # noqa: BLE001 - any failure of the step: a peer is gone
+                failed = f"{type(e).__name__}: {e}"
+            if handle is not None:
+                handle.remove()
+            if failed is None:
+                result["events"].append({"step": s, "world": n})
+                s += 1
+                continue
+            t_fail = time.time()
+            ddp = None  # its hooks go with its Reducer; the next step uses a new one
+            gc.collect()
+            t_gc = time.time()
+            alive = c10d_ext.survivors()
+            t_alive = time.time()
+            vanished = c10d_ext.vanished_ranks()
+            excluded = [r for r in range(n) if r not in alive]
+            dist.shrink_group(excluded)
+            t_shrunk = time.time()
+            dist.all_reduce(torch.ones(1))  # the new group's first collective
+            t_good = time.time()
+            result["events"].append({"step": s, "world": n, "error": failed[:400], "survivors": alive,
+                                     "vanished": vanished, "excluded": excluded, "t_fail": t_fail,
+                                     "t_gc": t_gc, "t_alive": t_alive, "t_shrunk": t_shrunk, "t_good": t_good, "new_rank": dist.get_rank(),
+                                     "new_world": dist.get_world_size()})
+            opt.zero_grad()
+            ddp = c10d_ext.DistributedDataParallel(model)
+        dist.barrier()
+        ddp = None
+        gc.collect()
+        result["end"] = _resources()
+        result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+        result["reference"] = reference(steps, lr)
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,258 @@
+"""Groups made from a group: split_group (CPU, and NCCL communicators split by NCCL on the CUDA
+double), merge, shrink_group and survivors, with a local expectation for every result."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from expect import make
+from harness import Report, assert_reports
+
+DOUBLE = {
+    "MYCCL_TEST_CUDA_DOUBLE": "1",
+    "MYCCL_TEST_CUDA_DOUBLE_SEED": "3{rank}",
+    "MYCCL_TEST_CUDA_DOUBLE_DEVICES": "2",
+    "MYCCL_TEST_CUDA_DOUBLE_HANG_MS": "20000",
+}
+
+
+def _check_group(rep, group, ranks, what, seed=1):
+    """all_reduce, broadcast from the last member and all_gather on `group`, whose global ranks in
+    group order are `ranks`, against sums of the members' inputs computed here."""
+    me = dist.get_rank()
+    x = make(me, (17,), torch.float64, seed)
+    t = x.clone()
+    dist.all_reduce(t, group=group)
+    want = sum(make(q, (17,), torch.float64, seed) for q in ranks)
+    rep.check(torch.equal(t, want), f"{what}: all_reduce")
+    b = x.clone()
+    dist.broadcast(b, group_src=len(ranks) - 1, group=group)
+    rep.check(torch.equal(b, make(ranks[-1], (17,), torch.float64, seed)), f"{what}: broadcast")
+    outs = [torch.empty(17, dtype=torch.float64) for _ in ranks]
+    dist.all_gather(outs, x, group=group)
+    rep.check(all(torch.equal(o, make(q, (17,), torch.float64, seed)) for o, q in zip(outs, ranks)),
+              f"{what}: all_gather in group order")
+
+
+# ---- split ------------------------------------------------------------------------------------
+
+def body_split(ctx):
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    r, n = ctx.rank, ctx.size
+    be = dist.group.WORLD._get_backend(torch.device("cpu"))
+    rep.check(be.supports_splitting, "myccl says it supports splitting")
+    # pairs, the second in reversed order: group rank 0 of [3, 2] is global rank 3
+    halves = [[0, 1], [3, 2]] if n == 4 else [[0, 2], [1]]
+    sub = dist.split_group(split_ranks=halves)
+    mine = next(h for h in halves if r in h)
+    rep.check(dist.get_rank(sub) == mine.index(r) and dist.get_world_size(sub) == len(mine),
+              f"rank {dist.get_rank(sub)} / size {dist.get_world_size(sub)} in {mine}")
+    rep.check(dist.get_backend(sub) == "myccl", f"split backend {dist.get_backend(sub)}")
+    rep.check(dist.get_process_group_ranks(sub) == mine, f"ranks {dist.get_process_group_ranks(sub)}")
+    if len(mine) > 1:
+        _check_group(rep, sub, mine, f"split {mine}")
+    # ranks in no new group get none and take no part
+    only = [[0, n - 1]]
+    g = dist.split_group(split_ranks=only)
+    if r in (0, n - 1):
+        _check_group(rep, g, [0, n - 1], "split [0, last]", seed=2)
+    else:
+        rep.check(g == dist.GroupMember.NON_GROUP_MEMBER, f"a rank outside every split gets no group: {g}")
+    # a split of a split (on its own ranks)
+    if n == 4 and len(mine) == 2:
+        solo = dist.split_group(parent_pg=sub, split_ranks=[[0], [1]])
+        t = torch.arange(4.0) + r
+        dist.all_reduce(t, group=solo)
+        rep.check(torch.equal(t, torch.arange(4.0) + r), "split of a split, one rank each")
+    # the parent is unaffected and the children work interleaved with it
+    for it in range(3):
+        _check_group(rep, None, list(range(n)), f"world after splits #{it}", seed=10 + it)
+        if len(mine) > 1:
+            _check_group(rep, sub, mine, f"split {mine} #{it}", seed=20 + it)
+    return rep.result()
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_split_group(run, size):
+    assert_reports(run(size, body_split, timeout=120))
+
+
+def body_split_times(ctx, reps):
+    """Creation time of split_group next to new_group for the same ranks (printed by the test)."""
+    ctx.init(timeout=30)
+    halves = [[0, 1], [2, 3]]
+    out = {}
+    for kind in ("new_group", "split_group"):
+        ts = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if kind == "new_group":
+                g = [dist.new_group(h) for h in halves][ctx.rank // 2]
+            else:
+                g = dist.split_group(split_ranks=halves)
+            dist.all_reduce(torch.ones(1), group=g)  # ready to use
+            ts.append(time.perf_counter() - t0)
+        out[kind] = sorted(ts)[len(ts) // 2]
+    return out
+
+
+def test_split_creation_time(run):
+    res = run(4, body_split_times, 5, timeout=120)
+    med = {k: max(r[k] for r in res) for k in res[0]}
+    print(f"creation of a 2-rank group at 4 ranks, median of 5: new_group {med['new_group'] * 1e3:.1f} ms, "
+          f"split_group {med['split_group'] * 1e3:.1f} ms")
+
+
+def body_split_cuda_double(ctx):
+    """A parent with NCCL communicators: split_group splits them with ncclCommSplit (no new
+    communicator made from an id) and the new groups' CUDA ops run on them."""
+    from c10d_ext import cuda_double
+
+    cuda_double.set_device(ctx.rank % 2)
+    cuda_double.clear_violations()
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    r, n = ctx.rank, ctx.size
+    t = torch.full((5,), float(r + 1))
+    dist.all_reduce(t)  # the world's NCCL communicator
+    rep.check(torch.equal(t, torch.full((5,), float(n * (n + 1) // 2))), "world all_reduce (CUDA)")
+    before = cuda_double.counters()
+    halves = [[0, 2], [1, 3]]
+    sub = dist.split_group(split_ranks=halves)
+    mine = halves[r % 2]
+    after_split = cuda_double.counters()
+    rep.check(after_split.get("splits", 0) - before.get("splits", 0) == 1, f"one ncclCommSplit: {after_split}")
+    t = torch.full((6,), float(r + 1))
+    dist.all_reduce(t, group=sub)
+    rep.check(torch.equal(t, torch.full((6,), float(sum(q + 1 for q in mine)))), f"all_reduce on split {mine}")
+    outs = [torch.empty(3) for _ in mine]
+    dist.all_gather(outs, torch.full((3,), float(r)), group=sub)
+    rep.check(all(torch.equal(o, torch.full((3,), float(q))) for o, q in zip(outs, mine)), "all_gather on split")
+    after = cuda_double.counters()
+    rep.check(after["comms_created"] == after_split["comms_created"],
+              f"the split group made no communicator of its own: {before} -> {after}")
+    cuda_double.synchronize()
+    for v in cuda_double.violations():
+        rep.fail(f"strict double: {v}")
+    return rep.result()
+
+
+def test_split_splits_nccl_communicators_on_the_double(run):
+    assert_reports(run(4, body_split_cuda_double, timeout=120, world_env=DOUBLE))
+
+
+# ---- merge ------------------------------------------------------------------------------------
+
+def body_merge(ctx):
+    """Two split halves merge back into one group through a store (torch's merge_remote_group)."""
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    r, n = ctx.rank, ctx.size
+    halves = [[0, 1], [2, 3]]
+    sub = dist.split_group(split_ranks=halves)
+    merged = sub.merge_remote_group(ctx.store("merge"), n, timedelta(seconds=30), "merged")
+    mr = merged.rank()
+    rep.check(merged.size() == n, f"merged size {merged.size()}")
+    x = torch.full((4,), float(r + 1))
+    merged.allreduce([x]).wait()
+    rep.check(torch.equal(x, torch.full((4,), float(n * (n + 1) // 2))), "all_reduce on the merged group")
+    ranks = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    merged.allgather([ranks], [torch.tensor([r])]).wait()
+    got = sorted(int(t) for t in ranks)
+    rep.check(got == list(range(n)), f"every rank once in the merged group: {got} (this rank is {mr})")
+    return rep.result()
+
+
+def test_merge_remote_group(run):
+    assert_reports(run(4, body_merge, timeout=120))
+
+
+# ---- shrink and survivors ---------------------------------------------------------------------
+
+def body_shrink(ctx, excluded, flags):
+    """The excluded ranks do not call shrink (here they stay alive and idle); the others make the
+    smaller group and use it; repeated shrinks go on down to one rank."""
+    import c10d_ext
+
+    ctx.init(timeout=20)
+    rep = Report(ctx)
+    r, n = ctx.rank, ctx.size
+    be = dist.group.WORLD._get_backend(torch.device("cpu"))
+    rep.check(be._supports_shrinking, "myccl supports shrinking")
+    if hasattr(be, "supports_shrinking"):  # torch's own binding, where torch has shrink
+        rep.check(be.supports_shrinking, "torch sees supports_shrinking")
+    _check_group(rep, None, list(range(n)), "before")
+    if r in excluded:
+        time.sleep(3)
+        return rep.result()
+    alive = c10d_ext.survivors(timeout=timedelta(seconds=2))
+    rep.check(alive == [q for q in range(n) if q not in excluded], f"survivors {alive}")
+    dist.shrink_group(list(excluded), shrink_flags=flags)
+    stay = [q for q in range(n) if q not in excluded]
+    rep.check(dist.get_world_size() == len(stay) and dist.get_rank() == stay.index(r),
+              f"new default group: rank {dist.get_rank()} of {dist.get_world_size()}")
+    rep.check(dist.get_backend() == "myccl", f"backend after shrink {dist.get_backend()}")
+    _check_group(rep, None, list(range(len(stay))), "after shrink")  # inputs by the new group's ranks
+    # again, down to one rank fewer each time
+    while dist.get_world_size() > 1:
+        last = dist.get_world_size() - 1
+        if dist.get_rank() == last:
+            break
+        dist.shrink_group([last])
+        _check_group(rep, None, list(range(dist.get_world_size())), f"after shrink to {dist.get_world_size()}")
+    return rep.result()
+
+
+@pytest.mark.parametrize("size,excluded,flags", [(2, (1,), 0), (3, (1,), 0), (4, (0, 2), 1)],
+                         ids=["2-exclude1", "3-exclude1", "4-exclude0and2-abort"])
+def test_shrink_group(run, size, excluded, flags):
+    if not hasattr(dist, "shrink_group"):
+        pytest.skip(f"torch {torch.__version__} has no shrink_group")
+    assert_reports(run(size, body_shrink, excluded, flags, timeout=120))
+
+
+def body_shrink_errors(ctx):
+    ctx.init(timeout=20)
+    rep = Report(ctx)
+    be = dist.group.WORLD._get_backend(torch.device("cpu"))
+    for bad, words in (([], "no rank to exclude"), ([ctx.size], "is not in [0, "), ([ctx.rank], "is this rank"),
+                       ([1 - ctx.rank, 1 - ctx.rank], "excluded twice")):
+        try:
+            be.shrink(bad, 0, None)
+            rep.fail(f"shrink({bad}) did not raise")
+        except (ValueError, RuntimeError) as e:
+            rep.check("myccl: shrink (rank" in str(e) and words in str(e), f"shrink({bad}): {e}")
+    _check_group(rep, None, list(range(ctx.size)), "the group after refused shrinks")
+    return rep.result()
+
+
+def test_shrink_refuses_bad_arguments(run):
+    if not hasattr(torch._C._distributed_c10d.Backend, "shrink"):
+        pytest.skip(f"torch {torch.__version__} binds no Backend.shrink")
+    assert_reports(run(2, body_shrink_errors, timeout=60))
+
+
+def body_survivors_late(ctx):
+    """A rank that comes after the others settled is told so, and they went on without it."""
+    import c10d_ext
+
+    ctx.init(timeout=20)
+    if ctx.rank == 2:
+        time.sleep(3)
+    try:
+        return ("ok", c10d_ext.survivors(timeout=timedelta(seconds=1)))
+    except Exception as e:  # noqa: BLE001
+        return ("err", str(e))
+
+
+def test_survivors_without_a_late_rank(run):
+    res = run(3, body_survivors_late, timeout=60)
+    assert res[0] == ("ok", [0, 1]) and res[1] == ("ok", [0, 1]), res
+    assert res[2][0] == "err" and "settled on survivors [0,1] before this rank arrived" in res[2][1], res[2]
