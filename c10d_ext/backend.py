@@ -75,4 +75,6 @@ def create_backend(dist_opts: Any, pg_options: Any = None) -> _C.MycclBackend:
         str(dist_opts.group_id),
         ranks,
         cfg,
+        # torch 2.14+: init_process_group(enable_reconfigure=True); no links until reconfigure()
+        reconfigurable=bool(getattr(dist_opts, "enable_reconfigure", False)),
     )

@@ -3,8 +3,11 @@
 // new group of them (shrink). Survivors and shrink meet through the group's store, never through
 // its links, which a failure closes.
 #include <algorithm>
+#include <set>
 #include <sstream>
 #include <thread>
+#include <unordered_set>
+#include <variant>
 
 #include "myccl/Engine.hpp"
 #include "myccl/Errors.hpp"
@@ -88,7 +91,7 @@ c10::intrusive_ptr<c10d::Backend> MycclBackend::merge(const c10::intrusive_ptr<c
 }
 
 std::vector<int> MycclBackend::vanishedRanks() const {
-  return cpu_->vanishedRanks();
+  return cpu_ ? cpu_->vanishedRanks() : std::vector<int>{};
 }
 
 std::vector<int> MycclBackend::survivors(std::chrono::milliseconds timeout) {
@@ -97,12 +100,12 @@ std::vector<int> MycclBackend::survivors(std::chrono::milliseconds timeout) {
   if (timeout.count() == 0) timeout = timeout_.load();
   // A connection of its own: other threads of this process may be using the group's.
   auto store = store_->clone();
-  const std::string base = cpu_->keyPrefix() + "survivors" + std::to_string(survivorRounds_++) + "/";
+  const std::string base = cpuEngine("survivors").keyPrefix() + "survivors" + std::to_string(survivorRounds_++) + "/";
   auto hereKey = [&](int r) { return base + "here/" + std::to_string(r); };
   // Each rank says it is here, and which ranks it saw die (their links ended without a word):
   // nobody waits for those, so survivors settle at once when a process was killed, and only a
   // rank that is silent but not known dead (stalled, or on a host that vanished) costs the timeout.
-  store->set(hereKey(rank_), toBytes(joinRanks(cpu_->vanishedRanks())));
+  store->set(hereKey(rank_), toBytes(joinRanks(vanishedRanks())));
   std::vector<bool> here(size_, false), dead(size_, false);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto sleep = std::chrono::milliseconds(1);
@@ -161,11 +164,98 @@ c10::intrusive_ptr<c10d::Backend> MycclBackend::shrink(const std::vector<int64_t
     for (Engine* e : engines()) e->abort("shrink with SHRINK_ABORT on rank " + std::to_string(rank_));
   }
   const auto timeout = optsOverride ? optsOverride->timeout : timeout_.load();
-  const std::string prefix = cpu_->keyPrefix() + "shrink" + std::to_string(shrinks_++) + "/x" + gone + "/";
+  const std::string prefix = cpuEngine("shrink").keyPrefix() + "shrink" + std::to_string(shrinks_++) + "/x" + gone + "/";
   // This group's store object (not a clone, which would be one more connection per shrink): the new
   // group keeps it alive when torch destroys this one, and nothing here changes its settings.
   return c10::make_intrusive<MycclBackend>(store_, newRank, static_cast<int>(members.size()),
                                            timeout, group_ + ":shrunk", std::move(members), cfg_, prefix);
 }
+
+#if MYCCL_HAS_RECONFIGURE
+
+namespace {
+
+// "myccl:<stable rank>:<uuid>:<nonce>" -> the stable rank (the rank in the default group the
+// process had when it made its group); raises on anything else.
+int64_t stableRankOf(const std::string& w, const std::string& handle) {
+  std::vector<std::string> f;
+  std::stringstream in(handle);
+  std::string item;
+  while (std::getline(in, item, ':')) f.push_back(item);
+  int64_t stable = -1;
+  try {
+    if (f.size() == 4 && f[0] == "myccl") stable = std::stoll(f[1]);
+  } catch (const std::exception&) {
+    stable = -1;
+  }
+  MYCCL_CHECK_ARG(stable >= 0, w, ": '", handle, "' is not a myccl reconfigure handle (from get_reconfigure_handle())");
+  return stable;
+}
+
+}  // namespace
+
+c10d::ReconfigureHandle MycclBackend::get_reconfigure_handle() const {
+  const int64_t stable = globalRanks_.empty() || rank_ >= static_cast<int>(globalRanks_.size()) ? rank_
+                                                                                                   : globalRanks_[rank_];
+  return "myccl:" + std::to_string(stable) + ":" + std::to_string(reconfigureUuid_) + ":" + nonce_;
+}
+
+c10::intrusive_ptr<c10d::Work> MycclBackend::reconfigure(const c10d::ReconfigureOptions& opts) {
+  const auto w = where("reconfigure");
+  std::vector<std::string> handles;
+  std::visit([&](const auto& given) { handles.assign(given.begin(), given.end()); }, opts.handles);
+  if (std::holds_alternative<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles)) {
+    std::sort(handles.begin(), handles.end());  // a set: the same order on every member
+  }
+  MYCCL_CHECK_ARG(!handles.empty(), w, ": no handles; pass every member's get_reconfigure_handle()");
+  MYCCL_CHECK_ARG(std::set<std::string>(handles.begin(), handles.end()).size() == handles.size(), w,
+                  ": a handle appears twice among the ", handles.size(), " handles");
+  MYCCL_CHECK_ARG(opts.uuid >= 0, w, ": uuid must not be negative, got ", opts.uuid);
+  std::vector<int64_t> stable;
+  for (const auto& h : handles) stable.push_back(stableRankOf(w, h));
+  const std::string mine = get_reconfigure_handle();
+  const auto it = std::find(handles.begin(), handles.end(), mine);
+  MYCCL_CHECK_ARG(it != handles.end(), w, ": this rank's handle '", mine, "' is not among the ", handles.size(),
+                  " handles; every member passes the same list, its own handle included");
+  const int newRank = static_cast<int>(it - handles.begin());
+  const int newSize = static_cast<int>(handles.size());
+  const auto timeout = opts.timeout.value_or(timeout_.load());
+  const std::string prefix = "myccl/reconfigure/" + std::to_string(opts.uuid) + "/";
+  if (newRank == 0) {
+    // A uuid names one membership for good: its keys may still hold an earlier one's addresses.
+    const auto claimed = store_->compareSet(prefix + "claimed", {}, toBytes(mine));
+    MYCCL_CHECK_ARG(std::string(claimed.begin(), claimed.end()) == mine, w, ": uuid ", opts.uuid,
+                    " was already used by another reconfigure; pass a fresh uuid every time");
+  }
+  // The new links first: if a member never comes, this raises (naming it) and the group keeps
+  // what it had. Then the old engines go, without waiting for peers that may be gone.
+  auto recorder = makeRecorder(newRank, newSize);
+  auto cpu = std::make_unique<cpu::CpuEngine>(store_, newRank, newSize, timeout, group_, cfg_, recorder, prefix);
+  cpu->setAbortHooks(abortHooks_);
+  std::shared_ptr<Engine> oldCuda;
+  {
+    std::lock_guard<std::mutex> lk(cudaMu_);
+    oldCuda = std::move(cuda_);
+  }
+  if (oldCuda) oldCuda->abort("reconfigured with uuid " + std::to_string(opts.uuid));
+  oldCuda.reset();
+  cpu_ = std::move(cpu);  // the old CPU engine closes its links as it goes
+  RecorderRegistry::get().retire(recorder_);
+  recorder_ = std::move(recorder);
+  RecorderRegistry::get().add(recorder_);
+  rank_ = newRank;
+  size_ = newSize;
+  setRanks(std::move(stable));
+  collSeq_ = 0;
+  p2pSeq_ = 0;
+  reconfigureUuid_ = opts.uuid;
+  shutdown_ = false;
+  // Done when it returns, as torch's gloo: a completed Work.
+  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  fut->markCompleted(c10::IValue(std::vector<at::Tensor>()));
+  return c10d::Work::create_from_future(fut);
+}
+
+#endif
 
 }  // namespace myccl

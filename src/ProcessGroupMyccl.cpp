@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <random>
 #include <sstream>
 
 #include "myccl/Arguments.hpp"
@@ -19,6 +20,18 @@ namespace myccl {
 
 using c10d::OpType;
 using WorkRef = c10::intrusive_ptr<c10d::Work>;
+
+namespace {
+
+// 64 random bits in hex: tells this process's instance of a group from any other's.
+std::string randomNonce() {
+  std::random_device rd;
+  char buf[24];
+  snprintf(buf, sizeof(buf), "%08x%08x", rd(), rd());
+  return buf;
+}
+
+}  // namespace
 
 // On every op: an op that raises inside a coalescing block leaves the block with it. torch's
 // coalescing manager never calls end_coalescing when its body raises, and a block left open
@@ -42,7 +55,7 @@ class CoalescingGuard {
 
 MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks,
-                           Config cfg, const std::string& keyPrefix)
+                           Config cfg, const std::string& keyPrefix, bool reconfigurable)
     : Backend(rank, size),
       group_(std::move(groupName)),
       globalRanks_(std::move(globalRanks)),
@@ -50,21 +63,44 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
       timeout_(timeout),
       store_(store) {
   MYCCL_CHECK_ARG(size >= 1 && rank >= 0 && rank < size, "init: rank ", rank, " is not in [0, ", size, ")");
+  setRanks(globalRanks_);
+  recorder_ = makeRecorder(rank, size);
+  // In the reconfigure regime the group holds no links until reconfigure() names its members.
+  if (!reconfigurable) {
+    cpu_ = std::make_unique<cpu::CpuEngine>(store_, rank, size, timeout, group_, cfg_, recorder_, keyPrefix);
+    cpu_->setAbortHooks(abortHooks_);  // before any op can fail
+  }
+  nonce_ = randomNonce();
+  RecorderRegistry::get().add(recorder_);  // once the group is up: a failed init leaves nothing
+  if (cfg_.flightRecorderEntries > 0) RecorderRegistry::get().installSignalHandler();
+  init();
+}
+
+std::shared_ptr<Recorder> MycclBackend::makeRecorder(int rank, int size) const {
+  return std::make_shared<Recorder>(group_, rank, size,
+                                    static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)),
+                                    cfg_.flightRecorderDump);
+}
+
+void MycclBackend::setRanks(std::vector<int64_t> globalRanks) {
+  globalRanks_ = std::move(globalRanks);
   // torch describes a group's ranks as start + stride (stride -1: not evenly spaced).
+  rankStart_ = 0;
+  rankStride_ = 1;
   if (!globalRanks_.empty()) {
     rankStart_ = static_cast<int>(globalRanks_[0]);
     rankStride_ = globalRanks_.size() > 1 ? static_cast<int>(globalRanks_[1] - globalRanks_[0]) : 1;
     for (size_t i = 1; i < globalRanks_.size(); ++i)
       if (globalRanks_[i] - globalRanks_[i - 1] != rankStride_) rankStride_ = -1;
   }
-  recorder_ = std::make_shared<Recorder>(group_, rank, size,
-                                         static_cast<size_t>(std::max<int64_t>(0, cfg_.flightRecorderEntries)),
-                                         cfg_.flightRecorderDump);
-  cpu_ = std::make_unique<cpu::CpuEngine>(store_, rank, size, timeout, group_, cfg_, recorder_, keyPrefix);
-  cpu_->setAbortHooks(abortHooks_);  // before any op can fail
-  RecorderRegistry::get().add(recorder_);  // once the group is up: a failed init leaves nothing
-  if (cfg_.flightRecorderEntries > 0) RecorderRegistry::get().installSignalHandler();
-  init();
+}
+
+cpu::CpuEngine& MycclBackend::cpuEngine(const char* op) const {
+  if (!cpu_) {
+    throwDistError("myccl: " + where(op) + ": the group was created with enable_reconfigure=True and has no members "
+                   "yet; call reconfigure() with every member's handle (get_reconfigure_handle()) first");
+  }
+  return *cpu_;
 }
 
 MycclBackend::~MycclBackend() {
@@ -166,21 +202,21 @@ bool MycclBackend::isCuda(const char* op, const std::vector<at::Tensor>& tensors
 }
 
 Engine& MycclBackend::engineFor(const char* op, const std::vector<at::Tensor>& tensors) {
-  return isCuda(op, tensors) ? cudaEngine(op) : *cpu_;
+  return isCuda(op, tensors) ? cudaEngine(op) : cpuEngine(op);
 }
 
 at::Tensor MycclBackend::allocateTensor(long size, at::TensorOptions options) {
   MYCCL_CHECK_ARG(size >= 0, where("allocate_tensor"), ": size must be >= 0, got ", size);
   MYCCL_CHECK_ARG(!options.has_device() || options.device().is_cpu(), where("allocate_tensor"),
                   ": only CPU tensors come from myccl's shared memory, got device ", options.device());
-  return cpu_->allocateTensor(size, options);
+  return cpuEngine("allocate_tensor").allocateTensor(size, options);
 }
 
 at::Tensor MycclBackend::sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype) {
   const auto w = where("shared_tensor");
   for (size_t i = 0; i < shape.size(); ++i)
     MYCCL_CHECK_ARG(shape[i] >= 0, w, ": dimension ", i, " is negative (", shape[i], ")");
-  return cpu_->sharedTensor(shape, dtype);
+  return cpuEngine("shared_tensor").sharedTensor(shape, dtype);
 }
 
 bool MycclBackend::supportsTensorAlloc(c10::DeviceIndex deviceIdx) {
@@ -190,20 +226,21 @@ bool MycclBackend::supportsTensorAlloc(c10::DeviceIndex deviceIdx) {
 
 std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> MycclBackend::stats() const {
   std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> out;
+  if (!cpu_) return out;
   for (auto& e : cpu_->stats().snapshot()) out.emplace_back(e.op, e.algo, e.count, e.bytes, e.seconds);
   return out;
 }
 
 void MycclBackend::resetStats() {
-  cpu_->stats().reset();
+  if (cpu_) cpu_->stats().reset();
 }
 
 int MycclBackend::rejectedConnections() const {
-  return cpu_->rejectedConnections();
+  return cpu_ ? cpu_->rejectedConnections() : 0;
 }
 
 const Topology& MycclBackend::topology() const {
-  return cpu_->topology();
+  return cpuEngine("topology").topology();
 }
 
 bool MycclBackend::usesSharedMemory() const {
@@ -213,7 +250,7 @@ bool MycclBackend::usesSharedMemory() const {
 Engine& MycclBackend::cudaEngine(const char* op) {
   std::lock_guard<std::mutex> lk(cudaMu_);
   if (!cuda_) {
-    cuda_ = makeCudaEngine(where(op), store_, cpu_->keyPrefix(), rank_, size_, group_, cfg_, timeout_.load(),
+    cuda_ = makeCudaEngine(where(op), store_, cpuEngine(op).keyPrefix(), rank_, size_, group_, cfg_, timeout_.load(),
                            abortHooks_, recorder_);
     if (cfg_.debugDetail && size_ > 1) {
       cpu::CpuEngine* cpu = cpu_.get();
@@ -290,7 +327,7 @@ WorkRef MycclBackend::allreduceScaled(at::Tensor& tensor, double scale) {
   red.spec.scale = scale;
   auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout, true);
   annotate(i, tensor, -1, "SUM(scaled)");
-  return record(cpu_->allreduce(std::move(i), {tensor}, red));
+  return record(cpuEngine("all_reduce").allreduce(std::move(i), {tensor}, red));
 }
 
 WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
@@ -308,7 +345,7 @@ WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c
   std::vector<at::Tensor> counts;
   for (int r = 0; r < size_; ++r) counts.push_back(at::empty({1}, at::kLong));
   auto ci = info(OpType::_ALLREDUCE_SPARSE, "all_reduce(sparse):sizes", opts.timeout, opts.asyncOp);
-  auto cw = cpu_->allgather(std::move(ci), {myCount}, {counts});
+  auto cw = cpuEngine("all_reduce").allgather(std::move(ci), {myCount}, {counts});
   cw->wait();
   std::vector<at::Tensor> idxOut, valOut;
   at::Tensor indices = in._indices().contiguous();
@@ -324,7 +361,7 @@ WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c
   std::vector<at::Tensor> idxRows;
   for (auto& x : idxOut) idxRows.push_back(at::empty({x.size(1), x.size(0)}, x.options()));
   auto gi = info(OpType::_ALLREDUCE_SPARSE, "all_reduce(sparse)", opts.timeout, opts.asyncOp);
-  auto gw = cpu_->allgather(std::move(gi), {indices.t().contiguous(), values}, {idxRows, valOut});
+  auto gw = cpuEngine("all_reduce").allgather(std::move(gi), {indices.t().contiguous(), values}, {idxRows, valOut});
   gw->wait();
   std::vector<at::Tensor> idxCols;
   for (auto& x : idxRows) idxCols.push_back(x.t());
@@ -667,12 +704,12 @@ WorkRef MycclBackend::barrier(const c10d::BarrierOptions& opts) {
   auto i = info(OpType::BARRIER, "barrier", opts.timeout, opts.asyncOp);
   // On a device the barrier also orders the device's streams: every rank's kernel must meet.
   if (device.has_value()) return record(cudaEngine("barrier").barrier(std::move(i), *device));
-  return record(cpu_->barrier(std::move(i), at::kCPU));
+  return record(cpuEngine("barrier").barrier(std::move(i), at::kCPU));
 }
 
 void MycclBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   auto i = info(OpType::BARRIER, "monitored_barrier", opts.timeout, false, true);
-  cpu_->monitoredBarrier(i, ++monitoredSeq_, waitAllRanks);
+  cpuEngine("monitored_barrier").monitoredBarrier(i, ++monitoredSeq_, waitAllRanks);
 }
 
 // ---- point-to-point ------------------------------------------------------------------------
@@ -712,7 +749,7 @@ WorkRef MycclBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   auto i = info(OpType::RECVANYSOURCE, "recv_any_source", c10d::kUnsetTimeout, true, true);
   annotate(i, t, -1, nullptr);
   i.op = "recv from any tag " + std::to_string(tag);
-  return record(cpu_->recvAny(std::move(i), t, tag));
+  return record(cpuEngine("recv_any_source").recvAny(std::move(i), t, tag));
 }
 
 // ---- coalescing, state ---------------------------------------------------------------------
@@ -815,7 +852,7 @@ void MycclBackend::shutdown() {
 }
 
 std::string MycclBackend::describeLinks() const {
-  return cpu_->describeLinks();
+  return cpu_ ? cpu_->describeLinks() : std::string();
 }
 
 }  // namespace myccl

@@ -122,3 +122,100 @@ def run(rank: int, size: int, port: int, out_dir: str, kills: dict, steps: int, 
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def _quorum(store, gen: int, members: list[int], me: int, handle: str) -> list[str]:
+    """The out-of-band rendezvous a job brings (torchft's lighthouse; here the test's store): each
+    member of generation `gen` publishes its handle and reads the others', in `members` order."""
+    store.set(f"quorum/{gen}/{me}", handle)
+    return [store.get(f"quorum/{gen}/{m}").decode() for m in members]
+
+
+def run_reconfigure(pid_id: int, port: int, out_dir: str, plan: dict, steps: int, timeout_s: float) -> None:
+    """One process of a job in torch's reconfigure regime: processes 0, 1, 2 start; `plan["kill"]`
+    dies in step `plan["at"]`; the others agree on survivors, and with the replacement (process
+    `plan["joiner"]`, started by the test once the victim is gone) reconfigure the group and go
+    on. The joiner takes the model from rank 0 (DDP's initial broadcast) and the step to resume."""
+    import c10d_ext
+    from torch._C._distributed_c10d import ReconfigureOptions
+
+    result: dict = {"id": pid_id, "events": []}
+    joiner = pid_id == plan["joiner"]
+
+    def reconfigure(pg, gen, members):
+        handles = _quorum(store, gen, members, pid_id, pg.get_reconfigure_handle())
+        opts = ReconfigureOptions()
+        opts.uuid = gen
+        opts.handles = handles
+        opts.timeout = timedelta(seconds=timeout_s)
+        pg.reconfigure(opts).wait()
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        # Every process makes its own group in the regime: no peers are needed to make it.
+        dist.init_process_group("myccl", store=dist.PrefixStore("job", store), rank=min(pid_id, 2), world_size=3,
+                                timeout=timedelta(seconds=timeout_s), enable_reconfigure=True)
+        pg = dist.group.WORLD
+        be = pg._get_backend(torch.device("cpu"))
+        model, data = model_and_data(steps)
+        lr = 0.05
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        if not joiner:
+            reconfigure(pg, 0, [0, 1, 2])
+            s = 0
+        else:
+            reconfigure(pg, 1, plan["after"])
+            step = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(step, group_src=0)  # where the survivors are
+            s = int(step.item())
+            result["events"].append({"joined_at": s, "t_joined": time.time()})
+        ddp = c10d_ext.DistributedDataParallel(model)
+        while s < steps:
+            n, me = be.size(), be.rank()
+            x, y = data[s]
+            k = BATCH // n
+            handle = None
+            if plan["kill"] == pid_id and plan["at"] == s:
+                def die(grad):
+                    with open(os.path.join(out_dir, f"killed{pid_id}"), "w") as f:
+                        f.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    return grad
+                handle = model[0].weight.register_hook(die)
+            failed = None
+            try:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(x[me * k:(me + 1) * k]), y[me * k:(me + 1) * k]).backward()
+                opt.step()
+            except Exception as e:  # noqa: BLE001
+                failed = f"{type(e).__name__}: {e}"
+            if handle is not None:
+                handle.remove()
+            if failed is None:
+                result["events"].append({"step": s, "world": n})
+                s += 1
+                continue
+            t_fail = time.time()
+            ddp = None
+            gc.collect()
+            alive = c10d_ext.survivors()
+            reconfigure(pg, 1, plan["after"])
+            step = torch.tensor([s], dtype=torch.int64)
+            dist.broadcast(step, group_src=0)  # tell the joiner where we are
+            t_good = time.time()
+            result["events"].append({"step": s, "world": n, "error": failed[:300], "survivors": alive,
+                                     "t_fail": t_fail, "t_good": t_good, "new_rank": be.rank(),
+                                     "new_world": be.size()})
+            opt.zero_grad()
+            ddp = c10d_ext.DistributedDataParallel(model)
+        dist.barrier()
+        ddp = None
+        result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+        result["reference"] = reference(steps, lr)
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"rank{pid_id}.json"), "w") as f:
+        json.dump(result, f)

@@ -256,3 +256,117 @@ def test_survivors_without_a_late_rank(run):
     res = run(3, body_survivors_late, timeout=60)
     assert res[0] == ("ok", [0, 1]) and res[1] == ("ok", [0, 1]), res
     assert res[2][0] == "err" and "settled on survivors [0,1] before this rank arrived" in res[2][1], res[2]
+
+
+# ---- reconfigure ------------------------------------------------------------------------------
+
+def _reconfigure(pg, uuid, handles, timeout=20):
+    from torch._C._distributed_c10d import ReconfigureOptions
+
+    opts = ReconfigureOptions()
+    opts.uuid = uuid
+    opts.handles = handles
+    opts.timeout = timedelta(seconds=timeout)
+    return pg.reconfigure(opts)
+
+
+def _exchange(ctx, key, ranks, handle):
+    """The out-of-band rendezvous a job brings (torchft's lighthouse, here the test's store):
+    every process in `ranks` publishes its handle; returns them in that order."""
+    store = ctx.store(key)
+    store.set(str(ctx.rank), handle)
+    return [store.get(str(q)).decode() for q in ranks]
+
+
+def _check_backend(rep, ctx, be, members, what, seed):
+    """all_reduce, all_gather and broadcast (from the last member) straight on the backend, whose
+    members in rank order are the processes `members` (inputs made from those process ids; after a
+    reconfigure torch's rank of the group is the backend's new one, so the process id is ctx.rank)."""
+    me = members.index(ctx.rank)
+    rep.check(be.rank() == me and be.size() == len(members), f"{what}: rank {be.rank()} of {be.size()}")
+    t = make(ctx.rank, (9,), torch.float64, seed)
+    be.allreduce([t]).wait()
+    rep.check(torch.equal(t, sum(make(q, (9,), torch.float64, seed) for q in members)), f"{what}: all_reduce")
+    outs = [torch.empty(9, dtype=torch.float64) for _ in members]
+    be.allgather([outs], [make(ctx.rank, (9,), torch.float64, seed)]).wait()
+    rep.check(all(torch.equal(o, make(q, (9,), torch.float64, seed)) for o, q in zip(outs, members)),
+              f"{what}: all_gather in the new rank order")
+    from torch.distributed import BroadcastOptions
+
+    b = make(ctx.rank, (9,), torch.float64, seed)
+    opts = BroadcastOptions()
+    opts.rootRank = len(members) - 1
+    be.broadcast([b], opts).wait()
+    rep.check(torch.equal(b, make(members[-1], (9,), torch.float64, seed)), f"{what}: broadcast")
+
+
+def body_reconfigure(ctx):
+    """The regime torch documents for gloo: no links until reconfigure(); then memberships that
+    lose a process and take it back in another order, each named by the members' handles."""
+    ctx.init(timeout=20, enable_reconfigure=True)
+    rep = Report(ctx)
+    r = ctx.rank
+    pg = dist.group.WORLD
+    be = pg._get_backend(torch.device("cpu"))
+    rep.check(pg.supports_reconfigure and be.supports_reconfigure, "supports_reconfigure")
+    try:
+        be.allreduce([torch.ones(2)]).wait()
+        rep.fail("an op before reconfigure() did not raise")
+    except Exception as e:  # noqa: BLE001
+        rep.check("enable_reconfigure=True" in str(e) and "reconfigure()" in str(e), f"before reconfigure: {e}")
+    h = pg.get_reconfigure_handle()
+    rep.check(h.startswith(f"myccl:{r}:-1:"), f"handle {h}")
+    all3 = _exchange(ctx, "q1", [0, 1, 2], h)
+    rep.check(_reconfigure(pg, 1, all3).wait(), "reconfigure 1 completed")
+    _check_backend(rep, ctx, be, [0, 1, 2], "uuid 1", 1)
+    # process 2 leaves; 0 and 1 go on as a group of two (2 does not call)
+    if r in (0, 1):
+        pair = _exchange(ctx, "q2", [0, 1], pg.get_reconfigure_handle())
+        _reconfigure(pg, 2, pair).wait()
+        _check_backend(rep, ctx, be, [0, 1], "uuid 2", 2)
+        # a reused uuid is refused, and the group keeps working
+        if r == 0:
+            try:
+                _reconfigure(pg, 2, [pg.get_reconfigure_handle()], timeout=5).wait()
+                rep.fail("reusing uuid 2 did not raise")
+            except Exception as e:  # noqa: BLE001
+                rep.check("uuid 2 was already used" in str(e), f"reused uuid: {e}")
+        dist.barrier()
+    # 2 comes back, as the first rank; the others follow in reverse order (a list sets the ranks)
+    order = [2, 1, 0]
+    hs = _exchange(ctx, "q3", order, pg.get_reconfigure_handle())
+    _reconfigure(pg, 3, hs).wait()
+    _check_backend(rep, ctx, be, order, "uuid 3", 3)
+    # a set: the backend picks the order (sorted handles), the same on every member
+    hs = _exchange(ctx, "q4", [0, 1, 2], pg.get_reconfigure_handle())
+    _reconfigure(pg, 4, set(hs)).wait()
+    members = [int(x.split(":")[1]) for x in sorted(hs)]
+    _check_backend(rep, ctx, be, members, "uuid 4 (set)", 4)
+    # bad handle lists raise before any peer is involved
+    for bad, words in (([pg.get_reconfigure_handle(), "gloo:0:1:x"], "is not a myccl reconfigure handle"),
+                       (["myccl:9:4:00"], "is not among the 1 handles")):
+        try:
+            _reconfigure(pg, 50 + r, bad).wait()
+            rep.fail(f"{bad} did not raise")
+        except Exception as e:  # noqa: BLE001
+            rep.check(words in str(e), f"{bad}: {e}")
+    # a member that never comes: named within the timeout, and the group keeps its members
+    if r in (0, 1):
+        hs = _exchange(ctx, "q5", [0, 1], pg.get_reconfigure_handle())
+        ghost = "myccl:7:-1:0123456789abcdef"
+        t0 = time.monotonic()
+        try:
+            _reconfigure(pg, 5, hs + [ghost], timeout=3).wait()
+            rep.fail("a reconfigure with a member that never comes completed")
+        except Exception as e:  # noqa: BLE001
+            took = time.monotonic() - t0
+            rep.check("Timed out" in str(e) and "rank(s) 2" in str(e) and took < 15, f"ghost member ({took:.1f} s): {e}")
+    dist.barrier()  # the default group is still the 3 of uuid 4
+    _check_backend(rep, ctx, be, members, "after the failed reconfigure", 6)
+    return rep.result()
+
+
+def test_reconfigure(run):
+    if not getattr(torch._C._distributed_c10d.Backend, "supports_reconfigure", None):
+        pytest.skip(f"torch {torch.__version__} has no reconfigure API")
+    assert_reports(run(3, body_reconfigure, timeout=120))

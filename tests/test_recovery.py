@@ -129,3 +129,66 @@ def test_survivors_shrink_and_train_on_after_sigkill(tmp_path):
     assert not left, left
     print(f"recovery (kill -> first good collective of the shrunk group): "
           f"{', '.join(f'{t * 1000:.0f} ms' for t in recoveries)}")
+
+
+def test_reconfigure_with_a_replacement_process(tmp_path):
+    """torch's reconfigure regime: processes 0, 1, 2 train with our DDP; 2 is SIGKILLed in step 2;
+    a new process (3) is started, and 0, 1 and 3 reconfigure the group (3 as rank 2) and finish
+    the training, 3 taking the model from rank 0. Every member ends with the parameters of a single
+    process over the whole batch, within the group timeout of the kill."""
+    import multiprocessing as mp
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import recovery_worker
+
+    if not getattr(torch._C._distributed_c10d.Backend, "supports_reconfigure", None):
+        import pytest
+
+        pytest.skip(f"torch {torch.__version__} has no reconfigure API")
+    out = tmp_path / "out"
+    out.mkdir()
+    steps, timeout_s = 6, 15.0
+    plan = {"kill": 2, "at": 2, "joiner": 3, "after": [0, 1, 3]}
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    procs = {i: ctx.Process(target=recovery_worker.run_reconfigure, args=(i, store.port, str(out), plan, steps,
+                                                                            timeout_s)) for i in range(3)}
+    for p in procs.values():
+        p.start()
+    end = time.monotonic() + 150
+    procs[2].join(max(0.1, end - time.monotonic()))  # the victim is gone: start its replacement
+    procs[3] = ctx.Process(target=recovery_worker.run_reconfigure, args=(3, store.port, str(out), plan, steps,
+                                                                         timeout_s))
+    procs[3].start()
+    for p in procs.values():
+        p.join(max(0.1, end - time.monotonic()))
+    hung = [i for i, p in procs.items() if p.is_alive()]
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"processes {hung} did not finish"
+    results = {i: json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1, 3)}
+    assert not (out / "rank2.json").exists()
+    kill_time = float((out / "killed2").read_text())
+    for i, res in results.items():
+        assert "error" not in res, (i, res.get("error"))
+        got = [torch.tensor(p) for p in res["params"]]
+        want = [torch.tensor(p) for p in res["reference"]]
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want)), (i, got, want)
+    for i in (0, 1):
+        fails = [e for e in results[i]["events"] if "error" in e]
+        assert len(fails) == 1 and fails[0]["step"] == 2 and fails[0]["survivors"] == [0, 1], fails
+        assert fails[0]["new_world"] == 3 and fails[0]["new_rank"] == i, fails
+        assert 0 < fails[0]["t_good"] - kill_time < timeout_s, fails
+        worlds = [e["world"] for e in results[i]["events"] if "error" not in e]
+        assert worlds == [3] * steps, worlds
+    joined = results[3]["events"][0]
+    assert joined["joined_at"] == 2, joined
+    assert [e["step"] for e in results[3]["events"][1:]] == list(range(2, steps))
+    assert results[0]["params"] == results[1]["params"] == results[3]["params"]
+    print(f"reconfigure with a replacement: {(max(results[i]['events'][2]['t_good'] for i in (0, 1)) - kill_time) * 1e3:.0f} ms "
+          f"from the kill to the reconfigured group's first collective (including the replacement's start)")

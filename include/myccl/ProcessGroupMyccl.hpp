@@ -33,9 +33,11 @@ class Device;
 class MycclBackend final : public c10d::Backend {
  public:
   // `keyPrefix`: where in the store the group meets (empty: a fresh incarnation's key space; a
-  // shrunk group passes the one its members derive from their parent).
+  // shrunk group passes the one its members derive from their parent). `reconfigurable`: torch's
+  // enable_reconfigure, the group holds no links until reconfigure() names its members.
   MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
-               std::string groupName, std::vector<int64_t> globalRanks, Config cfg, const std::string& keyPrefix = "");
+               std::string groupName, std::vector<int64_t> globalRanks, Config cfg, const std::string& keyPrefix = "",
+               bool reconfigurable = false);
   ~MycclBackend() override;
 
   const std::string getBackendName() const override { return "myccl"; }
@@ -147,6 +149,19 @@ class MycclBackend final : public c10d::Backend {
   std::vector<int> survivors(std::chrono::milliseconds timeout);
   // The group ranks whose process this rank's links saw die.
   std::vector<int> vanishedRanks() const;
+
+#if MYCCL_HAS_RECONFIGURE
+  // torch's reconfigure regime (gloo's semantics): a handle that tells this process's instance of
+  // the group from any other ("myccl:<rank in the default group>:<last uuid>:<nonce>"); and
+  // reconfigure(), collective over the processes whose handles it names (a list: ranks by
+  // position; a set: sorted), which makes the group theirs with a fresh uuid, through this
+  // group's store, within the timeout or with an error naming who did not arrive. Members that
+  // left or died are simply not named; new processes join with a group of their own made in the
+  // same regime on the same store. The group must be idle; sequence numbers restart.
+  bool supportsReconfigure() const override { return true; }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override;
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
+#endif
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
                                            const c10::intrusive_ptr<Options>& optsOverride = nullptr);
   // The engine an op sends a (valid) tensor to, by the one rule every op routes with: true for
@@ -178,6 +193,10 @@ class MycclBackend final : public c10d::Backend {
   OpInfo info(c10d::OpType type, const char* op, std::chrono::milliseconds timeout, bool asyncOp = true,
               bool p2p = false);
   std::string where(const char* op) const;
+  // The CPU engine, or an error naming `op` in a reconfigurable group not reconfigured yet.
+  cpu::CpuEngine& cpuEngine(const char* op) const;
+  std::shared_ptr<Recorder> makeRecorder(int rank, int size) const;
+  void setRanks(std::vector<int64_t> globalRanks);
   c10::intrusive_ptr<c10d::Work> record(c10::intrusive_ptr<c10d::Work> w);
   // Which engine: all tensors on CPU, or all on CUDA (with NCCL built); anything else raises.
   // Under the CUDA test double (cfg.testCudaDouble) CPU tensors stand for CUDA tensors.
@@ -191,8 +210,10 @@ class MycclBackend final : public c10d::Backend {
   friend class CoalescingGuard;
 
   const std::string group_;
-  const std::vector<int64_t> globalRanks_;
+  std::vector<int64_t> globalRanks_;    // changed only by reconfigure (setRanks)
   int rankStart_ = 0, rankStride_ = 1;  // globalRanks_ as torch's profiler metadata puts them
+  std::string nonce_;                    // random: this process's instance of the group (handles)
+  int64_t reconfigureUuid_ = -1;
   const Config cfg_;
   std::atomic<std::chrono::milliseconds> timeout_;
   c10::intrusive_ptr<c10d::Store> store_;

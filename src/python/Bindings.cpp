@@ -113,12 +113,14 @@ PYBIND11_MODULE(_C, m) {
   py::class_<myccl::MycclBackend, c10d::Backend, NoGilHolder<myccl::MycclBackend>>(m, "MycclBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, std::string group, std::vector<int64_t> globalRanks,
-                       myccl::Config cfg) {
+                       myccl::Config cfg, bool reconfigurable) {
              return c10::make_intrusive<myccl::MycclBackend>(store, rank, size, timeout, std::move(group),
-                                                             std::move(globalRanks), std::move(cfg));
+                                                             std::move(globalRanks), std::move(cfg), "",
+                                                             reconfigurable);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("group_name"),
-           py::arg("global_ranks"), py::arg("config"), py::call_guard<py::gil_scoped_release>())
+           py::arg("global_ranks"), py::arg("config"), py::arg("reconfigurable") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("group_name", &myccl::MycclBackend::groupName)
       .def_property_readonly("timeout", &myccl::MycclBackend::timeout)
       // torch binds Backend.get_error only from 2.14 on; the same method here serves every torch.
