@@ -299,19 +299,26 @@ class World:
 
 
 class WorldPool:
-    """Keeps one live World per size; replaces worlds that broke."""
+    """Keeps one live World per size and environment; replaces worlds that broke. At most
+    MAX_PROCS pooled processes (each ~0.5 GB once torch is loaded): the least recently used worlds
+    go first, else the two xdist workers' pools, with every size and environment the suite uses,
+    outgrow the machine's memory and the kernel's OOM killer picks a test's processes."""
+
+    MAX_PROCS = 12
 
     def __init__(self):
-        self.worlds: dict[tuple, World] = {}
+        self.worlds: dict[tuple, World] = {}  # least recently used first
 
     def get(self, size: int, env: dict | None = None) -> World:
         key = (size, tuple(sorted((env or {}).items())))
-        w = self.worlds.get(key)
+        w = self.worlds.pop(key, None)
         if w is None or not w.alive():
             if w is not None:
                 w.kill()
+            while self.worlds and sum(x.size for x in self.worlds.values()) + size > self.MAX_PROCS:
+                self.worlds.pop(next(iter(self.worlds))).kill()  # idle between calls: nothing to lose
             w = World(size, env)
-            self.worlds[key] = w
+        self.worlds[key] = w
         return w
 
     def close(self) -> None:
