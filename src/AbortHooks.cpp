@@ -1,4 +1,4 @@
-// The abort-hook registry (AbortHooks.hpp).
+// The abort- and completion-hook registries (AbortHooks.hpp).
 #include "myccl/AbortHooks.hpp"
 
 #include <exception>
@@ -31,6 +31,35 @@ void AbortHooks::run(const std::string& why) {
       log(LogLevel::Warning, "abort hook " + std::to_string(id) + " raised: " + e.what() + " (abort: " + why + ")");
     } catch (...) {
       log(LogLevel::Warning, "abort hook " + std::to_string(id) + " raised (abort: " + why + ")");
+    }
+  }
+}
+
+void CompletionHooks::add(int64_t id, Hook hook) {
+  std::lock_guard<std::mutex> lk(mu_);
+  hooks_[id] = std::move(hook);
+  count_.store(hooks_.size(), std::memory_order_release);
+}
+
+void CompletionHooks::remove(int64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  hooks_.erase(id);
+  count_.store(hooks_.size(), std::memory_order_release);
+}
+
+void CompletionHooks::run(uint64_t completionKey, std::optional<float> durationMs) {
+  std::vector<std::pair<int64_t, Hook>> hooks;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    hooks.assign(hooks_.begin(), hooks_.end());
+  }
+  for (auto& [id, hook] : hooks) {
+    try {
+      hook(completionKey, durationMs);
+    } catch (const std::exception& e) {
+      log(LogLevel::Warning, "completion hook " + std::to_string(id) + " raised: " + e.what());
+    } catch (...) {
+      log(LogLevel::Warning, "completion hook " + std::to_string(id) + " raised");
     }
   }
 }

@@ -151,6 +151,9 @@ OpInfo MycclBackend::info(OpType type, const char* op, std::chrono::milliseconds
 }
 
 WorkRef MycclBackend::record(WorkRef w) {
+  if (!completionHooks_->empty()) {
+    if (auto* mw = dynamic_cast<MycclWork*>(w.get())) mw->setCompletionHooks(completionHooks_);
+  }
   if (anyExtensions_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lk(extensionsMu_);
     for (auto& x : extensions_)
@@ -179,6 +182,22 @@ void MycclBackend::registerAbortHook(int64_t hookId, c10d::AbortHook hook) {
 
 void MycclBackend::unregisterAbortHook(int64_t hookId) {
   abortHooks_->remove(hookId);
+}
+#endif
+
+#if MYCCL_HAS_COMPLETION_HOOKS
+void MycclBackend::registerCompletionHook(int64_t hookId, c10d::CompletionHook hook) {
+  MYCCL_CHECK_ARG(hook != nullptr, where("register_completion_hook"), ": hook ", hookId, " is empty");
+  completionHooks_->add(hookId, [hook = std::move(hook)](uint64_t key, std::optional<float> ms) {
+    c10d::CompletionHookArgs args;
+    args.completionKey = key;
+    args.duration_ms = ms;
+    hook(args);
+  });
+}
+
+void MycclBackend::unregisterCompletionHook(int64_t hookId) {
+  completionHooks_->remove(hookId);
 }
 #endif
 
@@ -811,11 +830,11 @@ WorkRef MycclBackend::endCoalescing() {
       auto* mw = dynamic_cast<MycclWork*>(w.get());
       if (!mw || !mw->onDevice()) cpuWorks.push_back(w);
     }
-    if (cpuWorks.empty()) return cudaBatch;
+    if (cpuWorks.empty()) return record(cudaBatch);
     cpuWorks.push_back(cudaBatch);
-    return combineWorks(std::move(i), std::move(cpuWorks));
+    return record(combineWorks(std::move(i), std::move(cpuWorks)));
   }
-  return combineWorks(std::move(i), std::move(works));
+  return record(combineWorks(std::move(i), std::move(works)));
 }
 
 void MycclBackend::eagerConnectSingleDevice(at::Device device) {

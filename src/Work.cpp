@@ -87,7 +87,11 @@ MycclWork::MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at
       inputs_(std::move(inputs)),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(tensorListType())),
-      queuedAt_(std::chrono::steady_clock::now()) {
+      queuedAt_(std::chrono::steady_clock::now()),
+      completionKey_([] {
+        static std::atomic<uint64_t> next{1};
+        return next.fetch_add(1, std::memory_order_relaxed);
+      }()) {
   if (at::hasCallbacks()) recordParamComms(info_, inputs_, outputs_);
 }
 
@@ -217,6 +221,34 @@ void MycclWork::markDone(std::exception_ptr error) {
   finish(error);  // sets completed_/exception_, wakes waiters, closes the profiler range
   settled_.store(true, std::memory_order_release);
   inputs_.clear();
+  if (!error) maybeReportCompletion();
+}
+
+void MycclWork::setCompletionHooks(std::shared_ptr<CompletionHooks> hooks) {
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    completionHooks_ = std::move(hooks);
+  }
+  if (settled_.load(std::memory_order_acquire) && isSuccess()) maybeReportCompletion();
+}
+
+// Once, whichever of markDone and setCompletionHooks comes second (an op run on the caller's
+// thread is done before the backend hands it the hooks).
+void MycclWork::maybeReportCompletion() {
+  std::shared_ptr<CompletionHooks> hooks;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (!completionHooks_ || completionReported_) return;
+    completionReported_ = true;
+    hooks = completionHooks_;
+  }
+  std::optional<float> ms;
+  try {
+    ms = getDuration();
+  } catch (const std::exception&) {
+    ms.reset();
+  }
+  hooks->run(completionKey_, ms);
 }
 
 namespace {

@@ -120,6 +120,55 @@ def test_flight_recorder_analyzer(run, tmp_path, kind):
         assert "MISMATCH at #5" in report and "broadcast" in report and "all_reduce" in report, report
 
 
+def body_torch_fr(ctx):
+    """torch 2.15's flight recorder records myccl's ops through its hook; with myccl's completion
+    hooks its entries say 'completed' (before, every one stayed 'scheduled', so a hung op looked
+    like a finished one). Rank 2 never joins all_reduce #5; ranks 0 and 1 time out, and torch's
+    abort hook dumps their traces; rank 2 dumps its own."""
+    import pickle
+
+    ctx.init(timeout=3)
+    x = torch.ones(100)
+    for _ in range(4):
+        dist.all_reduce(x)
+    states = [e["state"] for e in pickle.loads(torch._C._distributed_c10d._dump_fr_trace(backend="myccl"))["entries"]]
+    if ctx.rank == 2:
+        time.sleep(5)
+        torch._C._distributed_c10d._dump_fr_trace_file(ctx.rank, backend="myccl")
+        return states, None
+    try:
+        dist.all_reduce(x)
+        return states, "no error"
+    except Exception as e:  # noqa: BLE001
+        return states, str(e)
+
+
+def test_torch_flight_recorder_analyzer_reads_myccl_jobs(run, tmp_path):
+    if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace_file") or not hasattr(
+            dist.distributed_c10d, "_maybe_attach_flight_recorder"):
+        pytest.skip(f"torch {torch.__version__} does not record other backends' ops in its flight recorder")
+    dumps = tmp_path / "fr"
+    dumps.mkdir()
+    env = {"TORCH_FR_DUMP_TEMP_FILE": str(dumps / "trace_rank_"), "MYCCL_TEST_WORLD": f"torchfr-{tmp_path.name}"}
+    res = run(3, body_torch_fr, timeout=90, world_env=env)
+    for rank, (states, err) in enumerate(res):
+        assert states[-4:] == ["completed"] * 4, (rank, states)
+        if rank < 2:
+            assert "Timed out" in err, err
+    assert sorted(os.listdir(dumps)) == ["trace_rank_0", "trace_rank_1", "trace_rank_2"]
+    import pickle
+
+    with open(dumps / "trace_rank_0", "rb") as f:
+        last = pickle.load(f)["entries"][-1]
+    # A failed op is never reported completed (torch's contract for completion hooks).
+    assert last["collective_seq_id"] == 5 and last["state"] != "completed", last
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)],
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert "Not all ranks joining collective, sequence number: 5" in text, text[-3000:]
+    assert "missing ranks: {2}" in text and "myccl:all_reduce" in text, text[-3000:]
+
+
 def body_stats(ctx):
     import c10d_ext
 

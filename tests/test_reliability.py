@@ -145,7 +145,7 @@ def body_stalled(ctx):
         except Exception as e:  # noqa: BLE001
             out["after"] = str(e)
     else:
-        time.sleep(12)  # never calls the op; leaves long after rank 0's timeout
+        time.sleep(20)  # never calls the op; leaves long after rank 0's timeout
     return out
 
 
@@ -155,9 +155,10 @@ def test_stalled_peer_times_out(run):
                              "error": out["op"][:300]})
     assert "Timed out in wait() after 500 ms" in out["wait"] and out["wait_s"] < 1.5, out
     assert "Timed out after 3000 ms" in out["op"] and "rank 1" in out["op"] and "all_reduce #1" in out["op"], out
-    # 3 s after the op began, 2.5 s after this wait began; the bound leaves room for a loaded
-    # machine yet stays well below rank 1's departure (12 s), so the error came from the timeout
-    assert out["op_s"] < 8, out
+    # 3 s after the op began, 2.5 s after this wait began, plus torch 2.15's own flight-recorder
+    # dump (its hook dumps before the error is raised: 2 s alone, 5 s and more in a loaded full
+    # run); the bound stays well below rank 1's departure (20 s), so the error came from the timeout
+    assert out["op_s"] < 15, out
     assert "unusable after an earlier failure" in out["after"] or "failed" in out["after"], out
 
 

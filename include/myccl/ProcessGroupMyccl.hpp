@@ -122,6 +122,15 @@ class MycclBackend final : public c10d::Backend {
 #if MYCCL_HAS_SUPPORTS_ABORT_HOOKS
   bool supportsAbortHooks() const override { return true; }
 #endif
+#if MYCCL_HAS_COMPLETION_HOOKS
+  // torch's semantics: once per Work that completes successfully (not for failed or timed-out
+  // ones), from the thread that completes it (an engine's, the watchdog's, or the caller's for an
+  // op run inline), with the Work's completion key and its duration. torch's flight recorder hook
+  // uses it to mark myccl's ops completed instead of only issued.
+  bool supportsCompletionHooks() const override { return true; }
+  void registerCompletionHook(int64_t hookId, c10d::CompletionHook hook) override;
+  void unregisterCompletionHook(int64_t hookId) override;
+#endif
   void abort() override;
   void shutdown() override;
 
@@ -225,6 +234,7 @@ class MycclBackend final : public c10d::Backend {
   std::atomic<uint64_t> p2pSeq_{0};
   std::atomic<uint64_t> monitoredSeq_{0};  // numbers monitored barriers, apart from the ops
   std::shared_ptr<AbortHooks> abortHooks_ = std::make_shared<AbortHooks>();
+  std::shared_ptr<CompletionHooks> completionHooks_ = std::make_shared<CompletionHooks>();
   // Ephemeral timeout extensions: each lasts until the first Work created after it completes.
   struct Extension {
     std::chrono::milliseconds extra;

@@ -37,6 +37,8 @@
 #define MYCCL_HAS_ABORT_HOOKS 0
 #endif
 #define MYCCL_HAS_SUPPORTS_ABORT_HOOKS MYCCL_TORCH_AT_LEAST(2, 15)
+// Backend::registerCompletionHook and Work::getCompletionKey (torch 2.15).
+#define MYCCL_HAS_COMPLETION_HOOKS MYCCL_TORCH_AT_LEAST(2, 15)
 
 namespace torch::autograd {
 struct Node;

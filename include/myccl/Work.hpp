@@ -7,6 +7,9 @@
 
 #include <ATen/core/ivalue.h>
 
+#include "myccl/AbortHooks.hpp"
+#include "myccl/TorchCompat.hpp"
+
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -58,6 +61,13 @@ class MycclWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   float getDuration() const override;
   uint64_t getSequencenumber() const override;
+#if MYCCL_HAS_COMPLETION_HOOKS
+  // Never reused within the process (a completion may be reported after the Work is gone).
+  uint64_t getCompletionKey() const override { return completionKey_; }
+#endif
+  // Runs `hooks` once this Work has completed successfully (at once if it already has), with its
+  // completion key and duration; a failed Work reports nothing (torch's contract).
+  void setCompletionHooks(std::shared_ptr<CompletionHooks> hooks);
 
   const OpInfo& info() const { return info_; }
 
@@ -95,6 +105,12 @@ class MycclWork : public c10d::Work {
   bool bounded_ = false;
   std::chrono::nanoseconds spin_{0};
   std::atomic<bool> settled_{false};  // set once waiters may return (after finish())
+
+ private:
+  void maybeReportCompletion();
+  const uint64_t completionKey_;
+  std::shared_ptr<CompletionHooks> completionHooks_;  // under mutex_
+  bool completionReported_ = false;                    // under mutex_
 };
 
 // A Work that completes when all of its children have (coalescing, composite ops).
