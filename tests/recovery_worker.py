@@ -50,12 +50,17 @@ def _resources() -> dict:
             "tasks": len(os.listdir("/proc/self/task")), "shm_maps": _shm_mappings()}
 
 
-def run(rank: int, size: int, port: int, out_dir: str, kills: dict, steps: int, timeout_s: float) -> None:
+def _store(master: str, port: int, host: bool):
+    return dist.TCPStore(master, port, is_master=host, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+def run(rank: int, size: int, port: int, out_dir: str, kills: dict, steps: int, timeout_s: float,
+        master: str = "127.0.0.1", host_store: bool = False) -> None:
     import c10d_ext
 
     result: dict = {"rank": rank, "events": []}
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        store = _store(master, port, host_store)
         dist.init_process_group("myccl", store=dist.PrefixStore("job", store), rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         model, data = model_and_data(steps)
@@ -131,7 +136,8 @@ def _quorum(store, gen: int, members: list[int], me: int, handle: str) -> list[s
     return [store.get(f"quorum/{gen}/{m}").decode() for m in members]
 
 
-def run_reconfigure(pid_id: int, port: int, out_dir: str, plan: dict, steps: int, timeout_s: float) -> None:
+def run_reconfigure(pid_id: int, port: int, out_dir: str, plan: dict, steps: int, timeout_s: float,
+                    master: str = "127.0.0.1", host_store: bool = False) -> None:
     """One process of a job in torch's reconfigure regime: processes 0, 1, 2 start; `plan["kill"]`
     dies in step `plan["at"]`; the others agree on survivors, and with the replacement (process
     `plan["joiner"]`, started by the test once the victim is gone) reconfigure the group and go
@@ -151,7 +157,7 @@ def run_reconfigure(pid_id: int, port: int, out_dir: str, plan: dict, steps: int
         pg.reconfigure(opts).wait()
 
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        store = _store(master, port, host_store)
         # Every process makes its own group in the regime: no peers are needed to make it.
         dist.init_process_group("myccl", store=dist.PrefixStore("job", store), rank=min(pid_id, 2), world_size=3,
                                 timeout=timedelta(seconds=timeout_s), enable_reconfigure=True)
@@ -219,3 +225,19 @@ def run_reconfigure(pid_id: int, port: int, out_dir: str, plan: dict, steps: int
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     with open(os.path.join(out_dir, f"rank{pid_id}.json"), "w") as f:
         json.dump(result, f)
+
+
+if __name__ == "__main__":
+    # On the namespaced test hosts (tests/test_multihost.py), one process per command:
+    #   recovery_worker.py shrink <rank> <size> <master> <port> <out> <kills json> <steps>
+    #   recovery_worker.py reconfigure <id> <master> <port> <out> <plan json> <steps>
+    # The process with rank / id 0 hosts the store.
+    import sys
+
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "shrink":
+        rank, size, master, port, out, kills, steps = args
+        run(int(rank), int(size), int(port), out, json.loads(kills), int(steps), 15.0, master, int(rank) == 0)
+    else:
+        pid_id, master, port, out, plan, steps = args
+        run_reconfigure(int(pid_id), int(port), out, json.loads(plan), int(steps), 15.0, master, int(pid_id) == 0)

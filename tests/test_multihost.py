@@ -124,3 +124,87 @@ def test_delay_and_loss_on_a_link():
         results, _, _ = launch(hosts, 2, "ops", timeout=400)
     print("impairments:", applied)
     _assert_ok(results)
+
+
+RECOVERY = os.path.join(HERE, "recovery_worker.py")
+
+
+def _run_recovery(hosts, cmds, out, deadline=200, extra=None):
+    """Starts (host, argv) processes of recovery_worker.py; `extra` is (host, argv, after): started
+    once the process at index `after` has exited. Returns the processes' logs."""
+    import time
+
+    procs = [hosts.popen(h, [sys.executable, RECOVERY] + argv, _env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True) for h, argv in cmds]
+    end = time.monotonic() + deadline
+    if extra is not None:
+        h, argv, after = extra
+        procs[after].wait(timeout=max(1, end - time.monotonic()))
+        procs.append(hosts.popen(h, [sys.executable, RECOVERY] + argv, _env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=max(1, end - time.monotonic()))[0] or "")
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise AssertionError("recovery run did not finish in time")
+    return logs
+
+
+def _load(out, name):
+    path = os.path.join(out, name)
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_survivors_shrink_across_hosts():
+    """2 hosts x 2 ranks train with our DDP; rank 1 (host 0) is SIGKILLed, then rank 3 (host 1):
+    the survivors shrink twice and finish as ranks 0 and 2, one on each host, with one process's
+    parameters."""
+    steps = 6
+    kills = {"1": 1, "3": 3}
+    with netns.Hosts(2) as hosts:
+        out = tempfile.mkdtemp(prefix="myccl-mhr-")
+        port = 29900 + os.getpid() % 90
+        cmds = [(r // 2, ["shrink", str(r), "4", hosts.addrs[0], str(port), out, json.dumps(kills), str(steps)])
+                for r in range(4)]
+        logs = _run_recovery(hosts, cmds, out)
+    results = {r: _load(out, f"rank{r}.json") for r in (0, 2)}
+    assert not os.path.exists(os.path.join(out, "rank1.json")) and not os.path.exists(os.path.join(out, "rank3.json"))
+    for r, res in results.items():
+        assert "error" not in res, (r, res.get("error"), logs[r][-2000:])
+        fails = [e for e in res["events"] if "error" in e]
+        assert [(e["survivors"], e["new_world"]) for e in fails] == [([0, 2, 3], 3), ([0, 1], 2)], fails
+        got = [torch.tensor(p) for p in res["params"]]
+        want = [torch.tensor(p) for p in res["reference"]]
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want)), (r, got, want)
+    assert results[0]["params"] == results[2]["params"]
+
+
+def test_reconfigure_with_a_replacement_on_another_host():
+    """Processes 0, 1 (host 0) and 2 (host 1) train; 2 is SIGKILLed; a new process 3 starts on host
+    1 and the three reconfigure across the hosts and finish with one process's parameters."""
+    if not getattr(torch._C._distributed_c10d.Backend, "supports_reconfigure", None):
+        pytest.skip(f"torch {torch.__version__} has no reconfigure API")
+    steps = 5
+    plan = {"kill": 2, "at": 2, "joiner": 3, "after": [0, 1, 3]}
+    with netns.Hosts(2) as hosts:
+        out = tempfile.mkdtemp(prefix="myccl-mhc-")
+        port = 29990 + os.getpid() % 9
+        cmds = [(h, ["reconfigure", str(i), hosts.addrs[0], str(port), out, json.dumps(plan), str(steps)])
+                for i, h in ((0, 0), (1, 0), (2, 1))]
+        extra = (1, ["reconfigure", "3", hosts.addrs[0], str(port), out, json.dumps(plan), str(steps)], 2)
+        logs = _run_recovery(hosts, cmds, out, extra=extra)
+    results = {i: _load(out, f"rank{i}.json") for i in (0, 1, 3)}
+    for i, res in results.items():
+        assert "error" not in res, (i, res.get("error"))
+        got = [torch.tensor(p) for p in res["params"]]
+        want = [torch.tensor(p) for p in res["reference"]]
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want)), (i, got, want)
+    assert results[3]["events"][0]["joined_at"] == 2, results[3]["events"][:2]
+    assert results[0]["params"] == results[1]["params"] == results[3]["params"]
