@@ -159,6 +159,14 @@ class MycclBackend final : public c10d::Backend {
   // The group ranks whose process this rank's links saw die.
   std::vector<int> vanishedRanks() const;
 
+#if MYCCL_HAS_WINDOW
+  // torch's one-sided windows on CPU tensors (src/cpu/Window.cpp): put, signal, wait_signal;
+  // UNIFIED (map_remote_tensor is a view of the peer's tensor) between ranks of one host whose
+  // windows are in registered shared memory (allocate_tensor), SEPARATE otherwise.
+  bool supportsWindow() const override { return true; }
+  c10::intrusive_ptr<c10d::Window> new_window(const std::optional<at::Tensor>& tensor = std::nullopt) override;
+#endif
+
 #if MYCCL_HAS_RECONFIGURE
   // torch's reconfigure regime (gloo's semantics): a handle that tells this process's instance of
   // the group from any other ("myccl:<rank in the default group>:<last uuid>:<nonce>"); and
@@ -250,6 +258,7 @@ class MycclBackend final : public c10d::Backend {
   std::atomic<bool> shutdown_{false};
   std::atomic<int> shrinks_{0};  // groups shrunk from this one (numbers their key spaces)
   std::atomic<int> survivorRounds_{0};  // survivors() calls (numbers their key spaces)
+  uint64_t windows_ = 0;                 // new_window calls (number the windows' tags)
 };
 
 }  // namespace myccl

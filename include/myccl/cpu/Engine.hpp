@@ -102,6 +102,8 @@ class CpuEngine final : public Engine {
   // Ranks whose process this rank saw die (Transport::vanishedPeers).
   std::vector<int> vanishedRanks() const;
   bool usesSharedMemory() const { return shm_ != nullptr; }
+  // This host's ranks' shared memory (null: none), for windows that map peers' registered memory.
+  ShmGroup* sharedMemory() const { return shm_.get(); }
   Stats& stats() { return *stats_; }
   at::Tensor allocateTensor(int64_t numel, const at::TensorOptions& options);
   // Collective: see cpu::sharedTensor (Bootstrap.hpp).

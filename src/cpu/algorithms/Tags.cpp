@@ -15,6 +15,7 @@ const char* opCodeName(OpCode code) {
     case OpCode::Alltoall: return "all_to_all";
     case OpCode::Barrier: return "barrier";
     case OpCode::MonitoredBarrier: return "monitored_barrier";
+    case OpCode::Window: return "window";
     case OpCode::Fingerprint: return "fingerprint check of";
   }
   return "op";

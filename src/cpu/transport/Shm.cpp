@@ -450,6 +450,7 @@ char* ShmGroup::resolve(int peer, const Region& r) {
       if (o.slot == r.slot && o.gen == r.gen) return o.seg->data() + r.offset;
     throw CommError(CommErrorKind::Local, "registered buffer freed during an op");
   }
+  std::lock_guard<std::mutex> lk(mapMu_);  // the engine thread and windows (on callers' threads)
   if (mapped_.empty()) mapped_.resize(size_);
   auto& table = mapped_[peer];
   if (table.empty()) table.resize(kSlots);

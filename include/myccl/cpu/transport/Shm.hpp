@@ -161,7 +161,8 @@ class ShmGroup {
   std::vector<int> groupRanks_;
   mutable std::mutex regMu_;       // owned_ and this rank's table
   std::vector<Owned> owned_;
-  std::vector<std::vector<Mapped>> mapped_;  // [peer][slot], engine thread only
+  std::mutex mapMu_;                         // mapped_
+  std::vector<std::vector<Mapped>> mapped_;  // [peer][slot]
   size_t staging_;
   size_t mailboxSlot_ = 0;
   size_t mailboxStates_ = 0;  // bytes of the state words' area, page-rounded
