@@ -50,6 +50,47 @@ def _resources() -> dict:
             "tasks": len(os.listdir("/proc/self/task")), "shm_maps": _shm_mappings()}
 
 
+def _die_in_backward(model, out_dir: str, who: int):
+    """SIGKILLs this process in the middle of the next backward (when the first layer's weight
+    gradient is computed, the others' already on their way), after writing the time of death."""
+    def die(grad):
+        with open(os.path.join(out_dir, f"killed{who}"), "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+    return model[0].weight.register_hook(die)
+
+
+def _train_step(ddp, opt, x, y, handle) -> str | None:
+    """One step on this rank's shard; the error if it failed (a peer is gone), else None."""
+    try:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure of the step
+        return f"{type(e).__name__}: {e}"
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _final(result: dict, model, steps: int, lr: float) -> None:
+    """The end of a job: the parameters, the single-process reference, the group destroyed."""
+    result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    result["reference"] = reference(steps, lr)
+    dist.destroy_process_group()
+
+
+def _write(out_dir: str, who: int, result: dict, error: BaseException | None) -> None:
+    if error is not None:
+        import traceback
+
+        result["error"] = f"{type(error).__name__}: {error}\n" + "".join(traceback.format_exception(error))
+    with open(os.path.join(out_dir, f"rank{who}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def _store(master: str, port: int, host: bool):
     return dist.TCPStore(master, port, is_master=host, wait_for_workers=False, timeout=timedelta(seconds=60))
 
@@ -74,24 +115,8 @@ def run(rank: int, size: int, port: int, out_dir: str, kills: dict, steps: int, 
             n, me = dist.get_world_size(), dist.get_rank()
             x, y = data[s]
             k = BATCH // n
-            victim = kills.get(str(s)) == rank
-            handle = None
-            if victim:
-                def die(grad):
-                    with open(os.path.join(out_dir, f"killed{rank}"), "w") as f:
-                        f.write(repr(time.time()))
-                    os.kill(os.getpid(), signal.SIGKILL)
-                    return grad
-                handle = model[0].weight.register_hook(die)  # mid-backward: other grads are out
-            failed = None
-            try:
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(ddp(x[me * k:(me + 1) * k]), y[me * k:(me + 1) * k]).backward()
-                opt.step()
-            except Exception as e:  # noqa: BLE001 - any failure of the step: a peer is gone
-                failed = f"{type(e).__name__}: {e}"
-            if handle is not None:
-                handle.remove()
+            handle = _die_in_backward(model, out_dir, rank) if kills.get(str(s)) == rank else None
+            failed = _train_step(ddp, opt, x[me * k:(me + 1) * k], y[me * k:(me + 1) * k], handle)
             if failed is None:
                 result["events"].append({"step": s, "world": n})
                 s += 1
@@ -110,23 +135,18 @@ def run(rank: int, size: int, port: int, out_dir: str, kills: dict, steps: int, 
             t_good = time.time()
             result["events"].append({"step": s, "world": n, "error": failed[:400], "survivors": alive,
                                      "vanished": vanished, "excluded": excluded, "t_fail": t_fail,
-                                     "t_gc": t_gc, "t_alive": t_alive, "t_shrunk": t_shrunk, "t_good": t_good, "new_rank": dist.get_rank(),
-                                     "new_world": dist.get_world_size()})
+                                     "t_gc": t_gc, "t_alive": t_alive, "t_shrunk": t_shrunk, "t_good": t_good,
+                                     "new_rank": dist.get_rank(), "new_world": dist.get_world_size()})
             opt.zero_grad()
             ddp = c10d_ext.DistributedDataParallel(model)
         dist.barrier()
         ddp = None
         gc.collect()
         result["end"] = _resources()
-        result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
-        result["reference"] = reference(steps, lr)
-        dist.destroy_process_group()
+        _final(result, model, steps, lr)
     except BaseException as e:  # noqa: BLE001
-        import traceback
-
-        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+        return _write(out_dir, rank, result, e)
+    _write(out_dir, rank, result, None)
 
 
 def _quorum(store, gen: int, members: list[int], me: int, handle: str) -> list[str]:
@@ -180,23 +200,8 @@ def run_reconfigure(pid_id: int, port: int, out_dir: str, plan: dict, steps: int
             n, me = be.size(), be.rank()
             x, y = data[s]
             k = BATCH // n
-            handle = None
-            if plan["kill"] == pid_id and plan["at"] == s:
-                def die(grad):
-                    with open(os.path.join(out_dir, f"killed{pid_id}"), "w") as f:
-                        f.write(repr(time.time()))
-                    os.kill(os.getpid(), signal.SIGKILL)
-                    return grad
-                handle = model[0].weight.register_hook(die)
-            failed = None
-            try:
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(ddp(x[me * k:(me + 1) * k]), y[me * k:(me + 1) * k]).backward()
-                opt.step()
-            except Exception as e:  # noqa: BLE001
-                failed = f"{type(e).__name__}: {e}"
-            if handle is not None:
-                handle.remove()
+            handle = _die_in_backward(model, out_dir, pid_id) if plan["kill"] == pid_id and plan["at"] == s else None
+            failed = _train_step(ddp, opt, x[me * k:(me + 1) * k], y[me * k:(me + 1) * k], handle)
             if failed is None:
                 result["events"].append({"step": s, "world": n})
                 s += 1
@@ -216,15 +221,10 @@ def run_reconfigure(pid_id: int, port: int, out_dir: str, plan: dict, steps: int
             ddp = c10d_ext.DistributedDataParallel(model)
         dist.barrier()
         ddp = None
-        result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
-        result["reference"] = reference(steps, lr)
-        dist.destroy_process_group()
+        _final(result, model, steps, lr)
     except BaseException as e:  # noqa: BLE001
-        import traceback
-
-        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(out_dir, f"rank{pid_id}.json"), "w") as f:
-        json.dump(result, f)
+        return _write(out_dir, pid_id, result, e)
+    _write(out_dir, pid_id, result, None)
 
 
 if __name__ == "__main__":

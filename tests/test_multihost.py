@@ -36,6 +36,15 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
+def _kill_all(procs) -> None:
+    """Each process was started in a session of its own: kill its whole tree."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def launch(hosts: netns.Hosts, nproc: int, mode: str, extra_env: dict | None = None, timeout: float = 240):
     """Runs the worker on every namespaced host under torchrun; returns per-rank results."""
     out = tempfile.mkdtemp(prefix="myccl-mh-")
@@ -60,11 +69,7 @@ def launch(hosts: netns.Hosts, nproc: int, mode: str, extra_env: dict | None = N
             stdout, _ = p.communicate(timeout=timeout)
             logs.append(stdout)
     except subprocess.TimeoutExpired:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all(procs)
         tails = []
         for p in procs:
             try:
@@ -147,11 +152,7 @@ def _run_recovery(hosts, cmds, out, deadline=200, extra=None):
         for p in procs:
             logs.append(p.communicate(timeout=max(1, end - time.monotonic()))[0] or "")
     except subprocess.TimeoutExpired:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all(procs)
         raise AssertionError("recovery run did not finish in time")
     return logs
 
