@@ -505,6 +505,39 @@ def test_eager_init_with_device_id(run):
     _assert_reports(run(2, body_eager_device_id, timeout=120, world_env=WORLD["gpu"]))
 
 
+def body_split_on_gpu(ctx):
+    """split_group on a group bound to a device (init with device_id, as DeviceMesh does): the
+    NCCL communicator is split with ncclCommSplit and the new groups' ops run on it; a group of
+    every rank, then one rank each."""
+    dev = _device(ctx, "gpu")
+    import c10d_ext  # noqa: F401
+
+    dist.init_process_group("myccl", store=ctx.store("split"), rank=ctx.rank, world_size=ctx.size,
+                            timeout=timedelta(seconds=60), device_id=dev)
+    rep = Report(ctx, "gpu")
+    n = ctx.size
+    whole = dist.split_group(split_ranks=[list(range(n))[::-1]])  # reversed: rank n-1 is rank 0
+    t = _full(16, ctx.rank + 1, dev)
+    dist.all_reduce(t, group=whole)
+    rep.check(torch.equal(t.cpu(), _full(16, sum(range(1, n + 1)), "cpu")), "all_reduce on a split of every rank")
+    b = _full(4, ctx.rank, dev)
+    dist.broadcast(b, group_src=0, group=whole)
+    rep.check(torch.equal(b.cpu(), _full(4, n - 1, "cpu")), "broadcast from the split's rank 0 (global rank n-1)")
+    solo = dist.split_group(split_ranks=[[q] for q in range(n)])
+    t = _full(8, ctx.rank + 5, dev)
+    dist.all_reduce(t, group=solo)
+    rep.check(torch.equal(t.cpu(), _full(8, ctx.rank + 5, "cpu")), "all_reduce on a one-rank split")
+    t = _full(8, 1, dev)
+    dist.all_reduce(t)  # the parent still works
+    rep.check(torch.equal(t.cpu(), _full(8, n, "cpu")), "parent after splits")
+    return rep.result()
+
+
+@pytest.mark.cuda
+def test_split_group_on_gpu(run):
+    _assert_reports(run(2, body_split_on_gpu, timeout=120, world_env=WORLD["gpu"]))
+
+
 def body_desync_detail(ctx, mode):
     """MYCCL_DEBUG=DETAIL: ranks that call different CUDA collectives get an error naming what
     each called, before NCCL is asked (instead of a hung kernel)."""
