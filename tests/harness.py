@@ -162,6 +162,7 @@ def _worker(rank: int, size: int, store_port: int, conn, env: dict) -> None:
 
     import c10d_ext  # noqa: F401
 
+    conn.send(("ready", None, None))  # the parent starts the first call once every rank is here
     while True:
         try:
             msg = conn.recv()
@@ -224,6 +225,23 @@ class World:
             self.procs.append(p)
         self.calls = 0
         self.broken = False
+        self.ready = False
+
+    def _await_ready(self, timeout: float) -> None:
+        """Before a new world's first call, every rank has imported torch and c10d_ext: a rank
+        that takes seconds longer to start (a loaded machine) must not eat a test's short group
+        timeout in init."""
+        if self.ready:
+            return
+        deadline = time.monotonic() + max(timeout, 120)
+        for r, c in enumerate(self.conns):
+            while not c.poll(0.05):
+                if not self.procs[r].is_alive() or time.monotonic() > deadline:
+                    self.kill()
+                    raise TimeoutError(f"world of {self.size}: rank {r} did not start")
+            status, _, _ = c.recv()
+            assert status == "ready", status
+        self.ready = True
 
     def alive(self) -> bool:
         return not self.broken and all(p.is_alive() for p in self.procs)
@@ -236,6 +254,7 @@ class World:
         world) if some rank does not answer within `timeout` seconds. Ranks in `expect_dead`
         may die (fault-injection tests); their result is None.
         """
+        self._await_ready(timeout)
         self.calls += 1
         msg = (self.calls, fn.__module__, fn.__name__, args, dict(env or {}))
         for c in self.conns:
