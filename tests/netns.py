@@ -96,6 +96,17 @@ class Hosts:
             pass
         return applied
 
+    def cap(self, rate: str, burst: str = "256kb", latency: str = "50ms") -> None:
+        """Caps every host's link at `rate` (tc rate syntax, e.g. "1gbit") in both directions: a
+        token bucket on the host's end (what it sends) and on the switch's end (what it receives),
+        so that the link, not the CPU, bounds large messages. This kernel has no netem; tbf is
+        enough for a rate."""
+        for i, (name, dev) in enumerate(zip(self.names, self.devs)):
+            _ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency",
+                latency, ns=name)
+            _ip("tc", "qdisc", "replace", "dev", f"p{dev[1:]}", "root", "tbf", "rate", rate, "burst", burst,
+                "latency", latency, ns=self.sw)
+
     def popen(self, i: int, cmd: list[str], env: dict, **kw) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.names[i]] + cmd, env=env, **kw)
 
