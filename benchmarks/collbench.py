@@ -228,8 +228,9 @@ def sync(device):
 
 
 def time_case(case: Case, device, trials: int, budget_s: float) -> tuple[float, float]:
-    """Median seconds per op over `trials` runs of back-to-back ops (ranks agree on counts), and
-    the median host time to issue one (before the closing sync; on CPU the two are the same)."""
+    """Median over `trials` runs of back-to-back ops (ranks agree on counts) of the seconds per op
+    of the slowest rank, and the median host time to issue one (before the closing sync; on CPU
+    the two are the same)."""
     for _ in range(2):
         case()
     sync(device)
@@ -255,7 +256,11 @@ def time_case(case: Case, device, trials: int, budget_s: float) -> tuple[float, 
         sync(device)
         times.append((time.perf_counter() - t0) / iters)
         issue.append((t1 - t0) / iters)
-    return statistics.median(times), statistics.median(issue)
+    # Until the last rank is done: a rooted op's root (broadcast, scatter) finishes when its sends
+    # are in socket buffers, long before the data has arrived, so one rank's clock can undercount.
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=case.group)
+    return statistics.median(slowest.tolist()), statistics.median(issue)
 
 
 def copy_bandwidth() -> float:
