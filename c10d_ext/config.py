@@ -190,6 +190,8 @@ VARS: list[Var] = [
         "testing only: the double reports a wait longer than this as a hang"),
     Var("MYCCL_TEST_CUDA_DOUBLE_CAPABILITY", "test_cuda_double_capability", _int(10, 999),
         "testing only: the compute capability of the double's devices (90: 9.0)"),
+    Var("MYCCL_TEST_CUDA_DOUBLE_ABORT_MS", "test_cuda_double_abort_ms", _int(0),
+        "testing only: the double's ncclCommAbort returns this long after its kernels stopped (as NCCL's does)"),
 ]
 
 # Variables that fall back to torch's own name for the same setting when ours is unset.

@@ -30,6 +30,7 @@ std::shared_ptr<cuda::testdouble::Machine> cudaDoubleMachine(const Config& cfg) 
   o.eagerBytes = cfg.testCudaDoubleEagerBytes;
   o.hangMs = cfg.testCudaDoubleHangMs;
   o.computeCapability = cfg.testCudaDoubleCapability;
+  o.abortTailMs = cfg.testCudaDoubleAbortMs;
   return cuda::testdouble::machine(o);
 }
 

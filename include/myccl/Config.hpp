@@ -39,6 +39,7 @@
   X(int64_t, testCudaDoubleEagerBytes, "test_cuda_double_eager_bytes", 64 * 1024) /* ..._EAGER_BYTES */ \
   X(int64_t, testCudaDoubleHangMs, "test_cuda_double_hang_ms", 10000) /* MYCCL_TEST_CUDA_DOUBLE_HANG_MS */ \
   X(int, testCudaDoubleCapability, "test_cuda_double_capability", 90) /* ..._CAPABILITY */        \
+  X(int64_t, testCudaDoubleAbortMs, "test_cuda_double_abort_ms", 100) /* ..._ABORT_MS */          \
   X(int64_t, testConnectDelayMs, "test_connect_delay_ms", 0) /* MYCCL_TEST_CONNECT_DELAY_MS */   \
   X(int64_t, flightRecorderEntries, "flight_recorder_entries", 128) /* MYCCL_FLIGHT_RECORDER */  \
   X(std::string, flightRecorderDump, "flight_recorder_dump", "/tmp/myccl_flight_recorder") /* MYCCL_FLIGHT_RECORDER_DUMP */

@@ -87,6 +87,12 @@ bool NcclWork::gpuFinished() const {
 
 bool NcclWork::succeed() {
   if (isDone()) return true;
+  // ncclCommAbort ends the communicator's kernels, so the end event of an op that never ran to
+  // completion fires too, while the watchdog is still inside the abort and has not yet failed
+  // the group's Works: a finished event is no success once the group failed or its
+  // communicator was aborted (the watchdog fails this Work next).
+  if (auto wd = watchdog_.lock(); wd && wd->failed()) return false;
+  if (comm_ && comm_->aborted()) return false;
   if (comm_) {
     NcclResult r = comm_->asyncError();
     if (r != NcclResult::Success && r != NcclResult::InProgress) return false;  // the watchdog reports it

@@ -3,6 +3,7 @@
 // the violations NCCL would answer with a hang or a crash.
 #include <algorithm>
 #include <cstring>
+#include <thread>
 #include <random>
 #include <sstream>
 
@@ -189,6 +190,23 @@ NcclResult DoubleNccl::commGetAsyncError(NcclCommHandle comm, NcclResult* asyncE
   return NcclResult::Success;
 }
 
+NcclResult DoubleNccl::commCount(NcclCommHandle comm, int* count) {
+  const char* call = "ncclCommCount";
+  NcclResult r = NcclResult::Success;
+  auto c = enter(comm, call, &r);
+  if (!c) return r;
+  if (count == nullptr) return report(NcclResult::InvalidArgument, "ncclCommCount: null count");
+  Use use(*m_, c, call);
+  NcclResult st = state(*c);
+  if (st != NcclResult::Success) {
+    // as NCCL: a communicator still being made (or failed) has no attributes to read yet
+    return report(NcclResult::InvalidArgument, "ncclCommCount on communicator " + c->name +
+                                                   " before its creation returned ncclSuccess");
+  }
+  *count = c->nranks;
+  return NcclResult::Success;
+}
+
 NcclResult DoubleNccl::commFinalize(NcclCommHandle comm) {
   const char* call = "ncclCommFinalize";
   m_->requireDevice(call);
@@ -266,6 +284,10 @@ NcclResult DoubleNccl::commAbort(NcclCommHandle comm) {
   std::unique_lock<std::mutex> lk(c->mu);
   const auto until = Clock::now() + m_->hang();
   while (c->active > 0 && Clock::now() < until) c->cv.wait_for(lk, std::chrono::milliseconds(5));
+  lk.unlock();
+  // ... and, like NCCL's, only after tearing down the rest: later stream items (the events after
+  // the stopped kernels) run meanwhile.
+  std::this_thread::sleep_for(std::chrono::milliseconds(m_->opts.abortTailMs));
   return NcclResult::Success;
 }
 

@@ -27,6 +27,10 @@ struct Options {
   int64_t eagerBytes = 64 * 1024;   // sends up to this size complete without a posted receive
   int64_t hangMs = 10000;           // a wait longer than this is reported as a hang (and goes on)
   int computeCapability = 90;       // of every simulated device (90: 9.0, a Hopper GPU)
+  // ncclCommAbort stops the communicator's kernels first and returns only after tearing down its
+  // proxies and sockets (hundreds of ms on an H100): events after the stopped kernels fire in
+  // between. The double's abort returns this long after its kernels stopped.
+  int64_t abortTailMs = 100;
 };
 
 // One simulated machine: devices, streams, events, allocator, communicators, violation log.
