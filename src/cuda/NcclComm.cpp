@@ -65,6 +65,24 @@ void NcclComm::init(const NcclUniqueId& id, int rank, int size, Clock::time_poin
   what << "creating the NCCL communicator '" << name_ << "' for cuda:" << device_ << " (rank " << rank << " of "
        << size << ")";
   finishCreation(lk, r, deadline, where, what.str());
+  if (!blocking_) return;
+  // A blocking creation returns a ready communicator, unless this thread was inside an NCCL
+  // group: then NCCL only queues the creation until the group's end (and every later NCCL call
+  // of this thread with it, so that ops would "complete" without running). NCCL's group depth
+  // is per thread and shared by every NCCL user of the process: an open group here is one that
+  // another library opened and never closed.
+  int count = -1;
+  NcclResult c = rt_.nccl->commCount(comm_, &count);
+  if (c != NcclResult::Success || count != size) {
+    abortLocked();
+    throwDistError(where + ": " + what.str() + ": NCCL did not make it (" +
+                   (c != NcclResult::Success ? "ncclCommCount: " + ncclErrorText(*rt_.nccl, c)
+                                             : std::to_string(count) + " ranks") +
+                   "): this thread is inside an NCCL group that something else in this process opened "
+                   "(ncclGroupStart without its ncclGroupEnd), so NCCL defers every NCCL call of this thread. "
+                   "torch's \"nccl\" backend leaves one open when its scatter or gather raises inside it (a "
+                   "dtype NCCL lacks, such as int16); run such calls on another thread or avoid them");
+  }
 }
 
 bool NcclComm::split(NcclComm& parent, int color, int key, Clock::time_point deadline, const std::string& where) {

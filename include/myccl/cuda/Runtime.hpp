@@ -170,6 +170,8 @@ class Nccl {
                                const NcclCommConfig& config) = 0;
   // *asyncError: Success, InProgress (a nonblocking call still running) or the error.
   virtual NcclResult commGetAsyncError(NcclCommHandle comm, NcclResult* asyncError) = 0;
+  // ncclCommCount: the ranks of a communicator that is ready (an error while it is not).
+  virtual NcclResult commCount(NcclCommHandle comm, int* count) = 0;
   virtual NcclResult commFinalize(NcclCommHandle comm) = 0;
   virtual NcclResult commDestroy(NcclCommHandle comm) = 0;
   // May be called from another thread while a call on `comm` is stuck; stops its kernels.

@@ -64,6 +64,7 @@ class DoubleNccl final : public Nccl {
   NcclResult commSplit(NcclCommHandle comm, int color, int key, NcclCommHandle* newcomm,
                        const NcclCommConfig& config) override;
   NcclResult commGetAsyncError(NcclCommHandle comm, NcclResult* asyncError) override;
+  NcclResult commCount(NcclCommHandle comm, int* count) override;
   NcclResult commFinalize(NcclCommHandle comm) override;
   NcclResult commDestroy(NcclCommHandle comm) override;
   NcclResult commAbort(NcclCommHandle comm) override;

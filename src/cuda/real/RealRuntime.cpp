@@ -140,6 +140,7 @@ class RealNccl final : public Nccl {
     *asyncError = R(st);
     return R(r);
   }
+  NcclResult commCount(NcclCommHandle comm, int* count) override { return R(ncclCommCount(C(comm), count)); }
   NcclResult commFinalize(NcclCommHandle comm) override { return R(ncclCommFinalize(C(comm))); }
   NcclResult commDestroy(NcclCommHandle comm) override { return R(ncclCommDestroy(C(comm))); }
   NcclResult commAbort(NcclCommHandle comm) override { return R(ncclCommAbort(C(comm))); }
