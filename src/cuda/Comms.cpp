@@ -15,13 +15,15 @@ namespace myccl::cuda {
 void NcclEngine::Impl::awaitKeys(const std::vector<std::string>& keys, const std::vector<int>& ranks,
                                  Clock::time_point deadline, const std::string& what, const std::string& where) {
   constexpr auto kSlice = std::chrono::milliseconds(100);
-  const auto total = std::chrono::round<std::chrono::milliseconds>(deadline - Clock::now());
+  // What the error reports: how long this wait lasted, to 10 ms (the op's timeout less the few
+  // microseconds the op spent before getting here).
+  const auto total = std::chrono::round<std::chrono::duration<int64_t, std::centi>>(deadline - Clock::now());
   for (;;) {
     if (closed) throwDistError("myccl: " + where + ": aborted while waiting for " + what);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) {
       const std::string missing = missingRanks(*store, keys, ranks);
-      throwDistError("myccl: " + where + ": Timed out after " + std::to_string(total.count()) + " ms waiting for " +
+      throwDistError("myccl: " + where + ": Timed out after " + std::to_string(total.count() * 10) + " ms waiting for " +
                      (missing.empty() ? std::string("the other ranks") : "rank(s) " + missing) + " to reach " + what +
                      ": NCCL needs every member to make the communicator together. A rank that never calls a "
                      "matching op, is stuck, or has died leaves the others waiting here");
@@ -213,7 +215,44 @@ CommSlot& NcclEngine::Impl::pairSlot(int peer, int device, Clock::time_point dea
               ": the first point-to-point op with rank ", peer, " on cuda:", device,
               " is being captured into a CUDA graph, and NCCL communicators cannot be created during capture; "
               "run one such op before capturing");
-  return create(key, {lo, hi}, /*pair=*/true, device, deadline, where);
+  CommSlot& slot = create(key, {lo, hi}, /*pair=*/true, device, deadline, where);
+  connectPair(slot, deadline, where);
+  return slot;
+}
+
+void NcclEngine::Impl::connectPair(CommSlot& slot, Clock::time_point deadline, const std::string& where) {
+  // NCCL connects a pair at its first send or receive, in a handshake in which each side offers
+  // the directions its own first op needs. When both sides start with a send (isend to each
+  // other, then irecv: common, and torch allows it) each reads the other's send offer as a
+  // receive offer, and NCCL fails with "ncclSocketInit: connecting to address with family 0"
+  // (seen on an H100 with NCCL 2.28 over sockets). So both directions are connected here, the same
+  // way on both sides: one byte each way, in one group.
+  const int other = slot.lowRank == rank ? 1 : 0;
+  at::Tensor buf = rt.device->empty({2}, at::kByte, slot.stream);
+  uint8_t* p = static_cast<uint8_t*>(buf.data_ptr());
+  NcclComm& comm = *slot.comm;
+  Nccl& api = comm.nccl();
+  auto lk = comm.lock(where);
+  NcclCommHandle h = comm.get();
+  auto check = [&](NcclResult r, const char* call) {
+    if (r != NcclResult::Success && r != NcclResult::InProgress) {
+      throwDistError("myccl: " + where + ": connecting the pair communicator '" + comm.name() + "': " + call +
+                     " failed: " + ncclErrorText(api, r, h));
+    }
+  };
+  check(api.groupStart(), "ncclGroupStart");
+  NcclResult r = api.send(p, 1, NcclType::Uint8, other, h, slot.stream);
+  NcclResult q = r == NcclResult::Success ? api.recv(p + 1, 1, NcclType::Uint8, other, h, slot.stream) : r;
+  NcclResult e = api.groupEnd();  // always: this thread's group depth stays right
+  check(r, "ncclSend");
+  check(q, "ncclRecv");
+  check(e, "ncclGroupEnd");
+  try {
+    comm.settle(lk, e, deadline, where);
+  } catch (const std::exception& err) {
+    throwDistError("myccl: " + where + ": connecting the pair communicator '" + comm.name() + "': " + errorText(err));
+  }
+  rt.device->recordStream(buf, slot.stream);  // freed for reuse only after the stream ran the exchange
 }
 
 CommSlot& NcclEngine::Impl::slotFor(const Target& target, int device, Clock::time_point deadline,

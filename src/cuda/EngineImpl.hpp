@@ -305,7 +305,11 @@ struct NcclEngine::Impl {
   NcclReduce plan(const Reduction& red, const OpInfo& info, c10::Device device) {
     if (isFloat8(red.spec.dtype))
       checkFloat8(red.spec.dtype, argWhere(info), rt.nccl->version(), dev.computeCapability(device.index()));
-    return planReduce(red, argWhere(info));
+    NcclReduce p = planReduce(red, argWhere(info));
+    // The average of one rank is its value: a plain sum, which NCCL does for every type (its
+    // one-rank path refuses ncclAvg of float8).
+    if (size == 1 && p.op == kNcclAvg) p.op = kNcclSum;
+    return p;
   }
 
   // ---- communicators (Comms.cpp) ----
@@ -321,6 +325,8 @@ struct NcclEngine::Impl {
                    Clock::time_point deadline, const std::string& where);
   // Registers a made communicator as the slot `key` (watchdog, stream, ready event).
   CommSlot& addSlot(const std::string& key, std::shared_ptr<NcclComm> comm, int device, int lowRank);
+  // A new pair communicator's connections, both directions at once, the same on both sides.
+  void connectPair(CommSlot& slot, Clock::time_point deadline, const std::string& where);
   // Waits for keys other ranks publish, in short slices so that abort() is noticed.
   void awaitKeys(const std::vector<std::string>& keys, const std::vector<int>& ranks, Clock::time_point deadline,
                  const std::string& what, const std::string& where);

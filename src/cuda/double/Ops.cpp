@@ -160,6 +160,12 @@ std::string DoubleNccl::invalid(Comm& c, Op& op) {
     op.premul = it->second;
     op.op = kNcclSum;
   }
+  // Seen with NCCL 2.28 on an H100: a one-rank communicator refuses ncclAvg of float8
+  // (ncclInvalidArgument, no message); two ranks do it.
+  if (reduces && op.op == kNcclAvg && c.nranks == 1 &&
+      (op.type == NcclType::Float8e4m3 || op.type == NcclType::Float8e5m2)) {
+    return std::string("ncclAvg of ") + typeName(op.type) + " on a one-rank communicator";
+  }
   const bool rooted = op.kind == OpKind::Broadcast || op.kind == OpKind::Reduce;
   const bool p2p = op.kind == OpKind::Send || op.kind == OpKind::Recv;
   if ((rooted || p2p) && (op.peer < 0 || op.peer >= c.nranks)) {
