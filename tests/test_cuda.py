@@ -191,8 +191,23 @@ def _cases(dtypes=ALL_DTYPES, shapes=SHAPES):
             yield dtype, shape_name
 
 
+# Cases not given to torch's "nccl": it refuses non-contiguous tensors, and for dtypes NCCL lacks
+# (int16; complex outside all_reduce) its scatter and gather raise between ncclGroupStart and
+# ncclGroupEnd, which leaves the calling thread inside an NCCL group (seen with torch 2.11 on an
+# H100): NCCL then defers every later NCCL call of that thread, myccl's included. myccl detects
+# that state when it makes a communicator (test_foreign_open_nccl_group_is_named), but the
+# reference comparisons must not cause it. The local expectation still checks these cases.
+NO_REFERENCE = ("noncontig", "torch.int16", "torch.complex")
+# torch 2.11's nccl disagrees (beyond bfloat16's tolerance) with myccl and with the local
+# expectation on bfloat16 PREMUL_SUM (seen on an H100); myccl meets the local expectation there.
+NO_REFERENCE_PAIRS = (("PREMUL_SUM", "torch.bfloat16"),)
+
+
 def _ref(rep, what, fn):
     """Runs fn on the reference group; returns False where that backend refuses the case."""
+    if rep.mode == "gpu" and (any(k in what for k in NO_REFERENCE)
+                              or any(a in what and b in what for a, b in NO_REFERENCE_PAIRS)):
+        return False
     try:
         fn()
         return True
@@ -604,6 +619,7 @@ def body_missing_peer(ctx, blocking, mode="gpu", handling=2):
         later = e
     store.set("rank0_done", "1")
     return {
+        "value": t.cpu().tolist(),
         "err": (type(err).__name__, str(err)) if err else None,
         "is_dist_error": isinstance(err, dist.DistBackendError),
         "elapsed": elapsed,
@@ -694,7 +710,11 @@ def body_nccl_only_dtypes(ctx, compare, mode="gpu"):
             if op in ("BAND", "BOR", "BXOR", "PREMUL_SUM"):
                 rep.expect_value_error(lambda: dist.all_reduce(t, op=redop(op, ctx.rank)), "all_reduce " + what)
                 continue
-            dist.all_reduce(t, op=redop(op, ctx.rank))
+            try:
+                dist.all_reduce(t, op=redop(op, ctx.rank))
+            except Exception as e:  # noqa: BLE001 - name the case; the group is unusable after it
+                rep.check(False, f"all_reduce {what} (seed {seed}): {type(e).__name__}: {str(e)[:300]}")
+                return rep.result()
             rep.check(_same_nccl_only(t, _fold(xs, op)), "all_reduce " + what)
             root = seed % n
             t = _on(dev, xs[ctx.rank].clone())
@@ -775,7 +795,7 @@ def test_ddp_matches_reference(run, mode):
 @pytest.mark.parametrize("blocking", [False, True], ids=["watchdog", "blocking_wait"])
 def test_missing_peer_times_out(run, blocking, mode):
     res = run(2, body_missing_peer, blocking, mode, timeout=150, world_env=FAULTS[mode])[0]
-    assert res["err"] is not None, "the all_reduce without its peer completed instead of failing"
+    assert res["err"] is not None, f"the all_reduce without its peer completed instead of failing: {res}"
     assert res["is_dist_error"], res["err"]
     name, msg = res["err"]
     assert "all_reduce #" in msg and "rank 0" in msg and "group '" in msg, msg

@@ -99,6 +99,10 @@ def _second_stream(module, mode):
 
         def to_side(g):
             side.wait_stream(torch.cuda.current_stream())
+            # g was made on the node's stream and is read on `side`: without this the caching
+            # allocator may hand its memory to the node's stream's next kernel before `side` has
+            # read it (seen once in three H100 runs: mid.bias off by 2e-3 at step 1).
+            g.record_stream(side)
             torch.cuda.set_stream(side)
             return g
 

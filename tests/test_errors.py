@@ -350,7 +350,9 @@ def body_cuda_without_nccl(ctx):
 
 @pytest.mark.cuda
 def test_cuda_tensor_with_or_without_nccl(run):
-    assert_reports(run(2, body_cuda_without_nccl, timeout=120))
+    from test_cuda import WORLD  # two ranks may share one GPU: NCCL needs them on distinct "hosts"
+
+    assert_reports(run(2, body_cuda_without_nccl, timeout=120, world_env=WORLD["gpu"]))
 
 
 def body_missing_rank_at_init(ctx):
