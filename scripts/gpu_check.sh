@@ -19,6 +19,8 @@
 #                        the tests collected, the benchmarks' refusal without a GPU; a report too
 #   GPU_CHECK_FRESH=1    forget results of earlier calls
 #   GPU_CHECK_LIMITS     other per-step limits in seconds, e.g. "test=600,bench=400"
+#   GPU_CHECK_BENCH_SIZES  collbench's sizes (default 8,1M,4M,16M,64M,256M,1G)
+#   GPU_CHECK_PREBUILT   a prebuilt extension (default prebuilt/, from scripts/gpu_prebuild.sh)
 #   WHEELHOUSE, MAX_JOBS (default nproc), GPU_CHECK_TEST_JOBS (pytest -n, default 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -174,6 +176,33 @@ PY
   cat "$GC_STATE/raw/packages.json"
 }
 
+# GPU time is scarce and a build costs minutes of it: scripts/gpu_prebuild.sh builds the extension
+# elsewhere against the same torch and Python into prebuilt/. It is used when its torch is this
+# machine's and it imports; anything else (another torch, a glibc too old for it) builds here.
+use_prebuilt() {
+  local pre=${GPU_CHECK_PREBUILT:-$ROOT/prebuilt}
+  local so
+  so=$(ls "$pre"/c10d_ext/_C.*.so 2>/dev/null | head -1) || true
+  [ -n "$so" ] && [ -f "$pre/c10d_ext/_build_info.py" ] || return 1
+  echo "prebuilt extension: $so"
+  cp "$so" "$pre/c10d_ext/_build_info.py" "$ROOT/c10d_ext/"
+  # the tree itself on the venv's path, as an editable install would put it
+  local site
+  site=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "$ROOT" > "$site/c10d_ext_prebuilt.pth"
+  if (cd / && "$VPY" -c "import torch, c10d_ext, sys
+b = c10d_ext.build_info()
+print('prebuilt for torch', b['torch_version'], 'python', b['python'], 'nccl', b['nccl_build_header'])
+sys.exit(not (b['with_nccl'] and b['torch_version'] == torch.__version__))"); then
+    (cd / && "$VPY" -c "import c10d_ext, json; print(json.dumps(c10d_ext.build_info()))") > "$GC_STATE/raw/build_info.json"
+    echo "using the prebuilt extension (no compile here)"
+    return 0
+  fi
+  echo "the prebuilt extension does not fit this machine: building here"
+  rm -f "$ROOT/c10d_ext/$(basename "$so")" "$ROOT/c10d_ext/_build_info.py" "$site/c10d_ext_prebuilt.pth"
+  return 1
+}
+
 step_build() {
   load_python
   export MYCCL_WITH_NCCL=1
@@ -189,6 +218,7 @@ step_build() {
   nbin=$("$VPY" -c "import importlib.metadata as m, os; d = m.distribution('ninja')
 print(next(os.path.dirname(os.path.abspath(d.locate_file(f))) for f in d.files if f.name == 'ninja' and f.parent.name == 'bin'))" 2>/dev/null) \
     && PATH="$nbin:$PATH"
+  if use_prebuilt; then return 0; fi
   echo "ninja: $(command -v ninja || echo 'NOT FOUND: the build will be slow') $(ninja --version 2>/dev/null || true)"
   echo "building with MAX_JOBS=$MAX_JOBS: MYCCL_WITH_NCCL=1 pip install --no-build-isolation --no-deps -e ."
   opip "$VPY" -m pip install --no-index --no-build-isolation --no-deps -e "$ROOT"
@@ -244,7 +274,7 @@ step_bench() {
   cd "$ROOT"
   local cmd=("$VPY" benchmarks/collbench.py --device cuda --world-size "$(bench_world)"
              --ops "all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,send_recv"
-             --sizes "8,1M,4M,16M,64M,256M,1G" --trials 3 --budget 0.2 --check
+             --sizes "${GPU_CHECK_BENCH_SIZES:-8,1M,4M,16M,64M,256M,1G}" --trials 3 --budget 0.2 --check
              --out "$GC_STATE/raw/collbench_cuda.json")
   if [ "$GC_DRY" = 1 ]; then
     echo "dry run: would run: ${cmd[*]}"
