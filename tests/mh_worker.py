@@ -123,7 +123,10 @@ def check_ops(fails: list[str]) -> int:
         q.wait()
     check(torch.equal(y, make((r - 1) % n, (100_000,), torch.float32, 3)), "ring send/recv")
     st = c10d_ext.stats()
-    if os.environ.get("MYCCL_HIERARCHICAL", "1") != "0":
+    if os.environ.get("MYCCL_HIERARCHICAL", "1") == "0":
+        # flat across hosts: large broadcasts go down a chain (each host's link carries them once)
+        check("broadcast/tcp-pipelined-chain" in st, f"chained broadcast never ran: {sorted(st)}")
+    else:
         # small all_reduces through one leader per host, large ones striped across local ranks
         check("all_reduce/hierarchical-shm-tcp" in st, f"hierarchical all_reduce never ran: {sorted(st)}")
         check("all_reduce/hierarchical-striped-shm-tcp" in st, f"striped all_reduce never ran: {sorted(st)}")

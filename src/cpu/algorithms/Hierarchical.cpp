@@ -253,11 +253,14 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
 void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   Levels L = levels(c, root);
   if (nbytes >= kPipelineMinBytes) {
-    // Large: chunk by chunk, so each host's local broadcast of chunk k overlaps the transfer of
-    // the next chunks between hosts (the transport moves them while this thread copies). About
-    // eight chunks, so the first and last (which cannot overlap) are a small part, each between
-    // 256 KiB and the TCP chunk size.
-    const size_t chunk = std::clamp<size_t>(nbytes / 8, 256 * 1024, std::max<size_t>(c.chunkBytes, 256 * 1024));
+    // Large: chunk by chunk down a chain of hosts from the root's, so each host's link carries
+    // the message once each way (a binomial tree makes the root's carry it log2(hosts) times),
+    // and each host's local broadcast of chunk k overlaps the transfer of the next chunks (the
+    // transport moves them while this thread copies). About eight chunks per hop, so filling the
+    // chain is a small part, each between 256 KiB and the TCP chunk size.
+    const size_t hops = std::max<size_t>(1, L.leaders.size() - 1);
+    const size_t chunk =
+        std::clamp<size_t>(nbytes / (8 * hops), 256 * 1024, std::max<size_t>(c.chunkBytes, 256 * 1024));
     const size_t nchunks = (nbytes + chunk - 1) / chunk;
     char* base = static_cast<char*>(buf);
     auto part = [&](size_t k) { return std::min(chunk, nbytes - k * chunk); };
@@ -266,12 +269,11 @@ void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
     int parent = -1;
     auto lc = c.sub(L.leaders, L.hostIdx);
     if (L.representative) {
-      // Binomial tree over hosts, relative to the root's host.
+      // The chain: the root's host, then the next hosts in order.
       const int nh = static_cast<int>(L.leaders.size()), rootHost = c.topo->hostOfRank[root];
       const int vr = (L.hostIdx - rootHost + nh) % nh;
-      const int low = vr ? (vr & -vr) : 1 << 30;
-      if (vr) parent = ((vr - low) + rootHost) % nh;
-      for (int b = 1; b < low && vr + b < nh; b <<= 1) children.push_back((vr + b + rootHost) % nh);
+      if (vr) parent = (L.hostIdx - 1 + nh) % nh;
+      if (vr + 1 < nh) children.push_back((L.hostIdx + 1) % nh);
       if (parent >= 0)
         for (size_t k = 0; k < nchunks; ++k) recvs.push_back(lc.irecv(parent, lc.tag(kStepLeaders), base + k * chunk, part(k)));
     }
