@@ -212,13 +212,13 @@ step_build() {
     return
   fi
   rm -f "$GC_STATE/raw/build_info.json"
+  if use_prebuilt; then return 0; fi
   # ninja compiles MAX_JOBS files at once; without it torch falls back to one at a time. The
   # wheel's binary may sit in a bin/ that is not on PATH (a base venv's).
   local nbin
   nbin=$("$VPY" -c "import importlib.metadata as m, os; d = m.distribution('ninja')
 print(next(os.path.dirname(os.path.abspath(d.locate_file(f))) for f in d.files if f.name == 'ninja' and f.parent.name == 'bin'))" 2>/dev/null) \
     && PATH="$nbin:$PATH"
-  if use_prebuilt; then return 0; fi
   echo "ninja: $(command -v ninja || echo 'NOT FOUND: the build will be slow') $(ninja --version 2>/dev/null || true)"
   echo "building with MAX_JOBS=$MAX_JOBS: MYCCL_WITH_NCCL=1 pip install --no-build-isolation --no-deps -e ."
   opip "$VPY" -m pip install --no-index --no-build-isolation --no-deps -e "$ROOT"

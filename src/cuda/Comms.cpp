@@ -232,26 +232,17 @@ void NcclEngine::Impl::connectPair(CommSlot& slot, Clock::time_point deadline, c
   uint8_t* p = static_cast<uint8_t*>(buf.data_ptr());
   NcclComm& comm = *slot.comm;
   Nccl& api = comm.nccl();
+  const std::string what = where + ": connecting the pair communicator '" + comm.name() + "'";
   auto lk = comm.lock(where);
   NcclCommHandle h = comm.get();
-  auto check = [&](NcclResult r, const char* call) {
-    if (r != NcclResult::Success && r != NcclResult::InProgress) {
-      throwDistError("myccl: " + where + ": connecting the pair communicator '" + comm.name() + "': " + call +
-                     " failed: " + ncclErrorText(api, r, h));
-    }
-  };
-  check(api.groupStart(), "ncclGroupStart");
+  checkNccl(api, api.groupStart(), "ncclGroupStart", what, h);
   NcclResult r = api.send(p, 1, NcclType::Uint8, other, h, slot.stream);
   NcclResult q = r == NcclResult::Success ? api.recv(p + 1, 1, NcclType::Uint8, other, h, slot.stream) : r;
   NcclResult e = api.groupEnd();  // always: this thread's group depth stays right
-  check(r, "ncclSend");
-  check(q, "ncclRecv");
-  check(e, "ncclGroupEnd");
-  try {
-    comm.settle(lk, e, deadline, where);
-  } catch (const std::exception& err) {
-    throwDistError("myccl: " + where + ": connecting the pair communicator '" + comm.name() + "': " + errorText(err));
-  }
+  checkNccl(api, r, "ncclSend", what, h);
+  checkNccl(api, q, "ncclRecv", what, h);
+  checkNccl(api, e, "ncclGroupEnd", what, h);
+  comm.settle(lk, e, deadline, what);
   rt.device->recordStream(buf, slot.stream);  // freed for reuse only after the stream ran the exchange
 }
 

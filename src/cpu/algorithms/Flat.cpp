@@ -228,12 +228,6 @@ void treeBroadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   }
 }
 
-// Large messages across hosts: a pipelined chain through the ranks, the root's host first (the
-// root first in it), then the other hosts in order. Every rank receives the message once and
-// passes it on once, so each host's link carries it once each way however many hosts there are,
-// where scatter + all-gather makes the root's link carry it about twice (2(n-1)/n) and a
-// binomial tree log2(n) times. Chunks keep every hop busy at once; they are small enough that
-// filling the chain (n-2 chunks) is a few percent of the message.
 // The chain: the root, its host's other ranks, then each next host's ranks. Returns this rank's
 // neighbours towards the root (`up`) and away from it (`down`), -1 where there is none.
 void chainNeighbours(const CollCtx& c, int root, int& up, int& down) {
@@ -249,6 +243,11 @@ void chainNeighbours(const CollCtx& c, int root, int& up, int& down) {
   down = pos + 1 < n ? order[pos + 1] : -1;
 }
 
+// Whether a broadcast or reduce goes down the chain: large, at least 3 ranks, several hosts.
+bool chained(const CollCtx& c, size_t nbytes) {
+  return c.size >= 3 && nbytes >= kChainMinBytes && c.topo && !c.topo->singleHost();
+}
+
 // Chunks of a chained op: small enough that filling the chain (n - 2 chunks) is a few percent of
 // the message, at least 64 KiB.
 size_t chainChunk(const CollCtx& c, size_t nbytes, size_t esize) {
@@ -257,6 +256,12 @@ size_t chainChunk(const CollCtx& c, size_t nbytes, size_t esize) {
   return std::max<size_t>(esize, chunk / esize * esize);
 }
 
+// Large messages across hosts: a pipelined chain through the ranks, the root's host first (the
+// root first in it), then the other hosts in order. Every rank receives the message once and
+// passes it on once, so each host's link carries it once each way however many hosts there are,
+// where scatter + all-gather makes the root's link carry it about twice (2(n-1)/n) and a
+// binomial tree log2(n) times. Chunks keep every hop busy at once; they are small enough that
+// filling the chain (n-2 chunks) is a few percent of the message.
 void chainBroadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   c.algo = "tcp-pipelined-chain";
   int prev, next;
@@ -387,7 +392,7 @@ void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   if (n == 1) return;
   std::vector<RequestPtr> reqs;
   if (n >= 4 && nbytes < 256 * 1024) return treeBroadcast(c, buf, nbytes, root);
-  if (n >= 3 && nbytes >= kChainMinBytes && c.topo && c.topo->crossSize > 1) return chainBroadcast(c, buf, nbytes, root);
+  if (chained(c, nbytes)) return chainBroadcast(c, buf, nbytes, root);
   if (n <= 3 || nbytes < 256 * 1024) {
     if (c.rank == root) {
       for (int q = 0; q < n; ++q)
@@ -452,7 +457,7 @@ void reduce(CollCtx& c, const void* in, void* out, size_t count, const ReduceSpe
     return;
   }
   const bool lowPrecision = spec.dtype == DType::F16 || spec.dtype == DType::BF16;
-  if (n >= 3 && nbytes >= kChainMinBytes && c.topo && c.topo->crossSize > 1 && spec.scale == 0.0 && !lowPrecision) {
+  if (chained(c, nbytes) && spec.scale == 0.0 && !lowPrecision) {
     return chainReduce(c, in, out, count, spec, root);
   }
   // Direct reduce-scatter into scratch (inputs stay untouched), then gather slices at root.
