@@ -172,7 +172,30 @@ bool TcpTransport::cancel(const RequestPtr& req) {
   std::lock_guard<std::mutex> lk(mu_);
   const int peer = req->peer();
   const bool own = peer >= 0 && peer < setup_.size && peer != setup_.rank;
-  return match_.cancel(own ? peer : -1, [&](const PostedRecv& pr) { return pr.req == req; });
+  if (match_.cancel(own ? peer : -1, [&](const PostedRecv& pr) { return pr.req == req; })) return true;
+  if (!own) return false;
+  // A send is withdrawn while none of its bytes has left: an eager frame still whole in the queue,
+  // or an announcement not yet answered (the receiver's later answer is dropped; it has read
+  // nothing of ours). Anything further along finishes on its own.
+  auto& p = *peers_[peer];
+  for (auto it = p.awaitingCts.begin(); it != p.awaitingCts.end(); ++it) {
+    if (it->second.req != req) continue;
+    p.withdrawn.insert(it->first);
+    p.awaitingCts.erase(it);
+    return true;
+  }
+  for (auto it = p.sendq.begin(); it != p.sendq.end(); ++it) {
+    auto& item = **it;
+    if (item.req != req) continue;
+    if ((item.hdr.magicKind & 0xff) != kEager || item.hdrOff != 0) return false;
+    p.sendq.erase(it);
+    if (p.sendq.empty()) {
+      p.wantOut = false;
+      updateInterestLocked(peer);
+    }
+    return true;
+  }
+  return false;
 }
 
 std::vector<std::pair<int, uint64_t>> TcpTransport::unmatched() const {

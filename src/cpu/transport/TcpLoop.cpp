@@ -254,6 +254,7 @@ void TcpTransport::onMessage(int peer, const Frame& f, std::vector<std::function
 void TcpTransport::onClearToSend(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
   Peer::PendingRts pending{};
   if (!takeEntry(peers_[peer]->awaitingCts, f.id, pending)) {
+    if (peers_[peer]->withdrawn.erase(f.id)) return;  // its owner gave up on it (cancel)
     peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " answered an unknown send", done);
     return;
   }
@@ -282,6 +283,8 @@ void TcpTransport::onClearToSend(int peer, const Frame& f, std::vector<std::func
 void TcpTransport::onDirectDone(int peer, const Frame& f, std::vector<std::function<void()>>& done) {
   Peer::PendingRts pending{};
   if (!takeEntry(peers_[peer]->awaitingCts, f.id, pending)) {
+    // Withdrawn: never confirmed, so the receiver never takes what it copied.
+    if (peers_[peer]->withdrawn.erase(f.id)) return;
     peerFailedLocked(peer, "protocol error: rank " + std::to_string(peer) + " copied an unknown send", done);
     return;
   }
@@ -346,10 +349,9 @@ void TcpTransport::finishRead(int peer, std::vector<std::function<void()>>& done
                  (p.goodbyeIsFailure ? " failed and closed its connections: " : " left the group and closed its connections: ") +
                  p.goodbye;
     p.orderlyGoodbye = !p.goodbyeIsFailure;
-    if (p.goodbyeIsFailure && peerFailed_) {
-      auto cb = peerFailed_;
+    if (p.goodbyeIsFailure) {
       auto why = p.deadReason;
-      done.push_back([cb, peer, why] { cb(peer, why); });
+      done.push_back([this, peer, why] { notifyPeerFailed(peer, why); });
     }
     return;
   }

@@ -13,6 +13,7 @@
 #include <thread>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace myccl::cpu {
@@ -69,6 +70,9 @@ struct TcpTransport::Peer {
     size_t nbytes;
   };
   std::unordered_map<uint64_t, PendingRts> awaitingCts;
+  // Announced sends their owner withdrew (cancel) before the answer came: an answer to one of
+  // these is dropped, never acted on (its buffer may be gone).
+  std::unordered_set<uint64_t> withdrawn;
   // Receive side (under mu_; receives and messages still unmatched are in match_).
   std::unordered_map<uint64_t, std::shared_ptr<PostedRecv>> activeRecvs;  // awaiting DATA
   // Receives being copied directly from the sender's memory, then awaiting its DIRECT_ACK.
