@@ -117,6 +117,11 @@ VARS: list[Var] = [
     Var("MYCCL_HIERARCHICAL", "hierarchical", _bool,
         "groups spanning hosts: shared memory inside each host and one leader per host across "
         "hosts (1), or every rank over TCP (0)"),
+    Var("MYCCL_SPLIT_LINKS", "split_shares_links", _bool,
+        "groups made by split_group (device meshes) carry their messages over the connections of the "
+        "group they were split from, each on its own channel (1), or make connections of their own (0): "
+        "slower to create, more sockets and threads, but a failure with a transfer in flight can never "
+        "close the parent's links"),
     Var("MYCCL_NUM_THREADS", "num_threads", _int(1, 64),
         "threads one group may use for copies and reductions, the progress thread included"),
     Var("MYCCL_DEBUG", "debug_detail", _debug,

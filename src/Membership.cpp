@@ -67,13 +67,24 @@ c10::intrusive_ptr<c10d::Backend> MycclBackend::split(const c10::intrusive_ptr<c
     const int color = myIndex < 0 ? -1 : *std::min_element(ranks.begin(), ranks.end());
     parts = cuda->splitParts(color, myIndex, timeout);
   }
+  // The CPU side lends its links on a channel of their own (every rank of this group takes the
+  // next one, members or not, so all agree), or the new group makes links of its own.
+  cpu::SplitSource source;
+  if (cpu_) source = cpu_->splitSource();
   if (myIndex < 0) return nullptr;  // not a member: no group, as torch expects
   std::vector<int64_t> members;
   for (int r : ranks) members.push_back(globalRanks_.empty() ? r : globalRanks_[r]);
   const std::string name = opts && !opts->group_name.empty() ? opts->group_name : group_ + ":split";
-  // The CPU side meets in the store torch gives the new group (its name's own key space).
+  CpuMaker makeCpu;
+  if (source.links) {
+    // Its shared memory, if any, meets in the store torch gives the new group (its name's own key space).
+    makeCpu = [&](std::shared_ptr<Recorder> recorder) {
+      auto links = cpu::splitGroupLinks(*store, source, ranks, myIndex, timeout, name, cfg_);
+      return std::make_unique<cpu::CpuEngine>(store, std::move(links), name, cfg_, std::move(recorder));
+    };
+  }
   auto child = c10::make_intrusive<MycclBackend>(store, myIndex, static_cast<int>(ranks.size()), timeout, name,
-                                                 std::move(members), cfg_);
+                                                 std::move(members), cfg_, "", false, makeCpu);
   if (parts) child->cudaEngine("split").adoptSplit(std::move(parts));
   return child;
 }

@@ -55,7 +55,7 @@ class CoalescingGuard {
 
 MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks,
-                           Config cfg, const std::string& keyPrefix, bool reconfigurable)
+                           Config cfg, const std::string& keyPrefix, bool reconfigurable, const CpuMaker& makeCpu)
     : Backend(rank, size),
       group_(std::move(groupName)),
       globalRanks_(std::move(globalRanks)),
@@ -66,7 +66,10 @@ MycclBackend::MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   setRanks(globalRanks_);
   recorder_ = makeRecorder(rank, size);
   // In the reconfigure regime the group holds no links until reconfigure() names its members.
-  if (!reconfigurable) {
+  if (makeCpu) {
+    cpu_ = makeCpu(recorder_);
+    cpu_->setAbortHooks(abortHooks_);
+  } else if (!reconfigurable) {
     cpu_ = std::make_unique<cpu::CpuEngine>(store_, rank, size, timeout, group_, cfg_, recorder_, keyPrefix);
     cpu_->setAbortHooks(abortHooks_);  // before any op can fail
   }

@@ -111,6 +111,17 @@ class Report:
         return self.checks, self.failures
 
 
+def open_sockets() -> int:
+    """How many sockets this process has open."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
 def seq_number(pg=None) -> int:
     """The group's collective sequence number, as torch reports it. Before 2.14 torch's
     ProcessGroup answers only for gloo and nccl ("does not yet support sequence numbers"), so

@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 
 import c10d_ext  # noqa: E402
 from expect import INTS, make, reduce_all  # noqa: E402
+from harness import open_sockets  # noqa: E402
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -32,15 +33,21 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a.double(), b.double(), rtol=tol, atol=tol)
 
 
+class Checks:
+    """check(ok, what) records a failure as 'rank R: <prefix>what'; .count says how many ran."""
+
+    def __init__(self, fails: list[str], prefix: str = ""):
+        self.fails, self.prefix, self.count = fails, prefix, 0
+
+    def __call__(self, ok: bool, what: str) -> None:
+        self.count += 1
+        if not ok:
+            self.fails.append(f"rank {dist.get_rank()}: {self.prefix}{what}")
+
+
 def check_ops(fails: list[str]) -> int:
     r, n = dist.get_rank(), dist.get_world_size()
-    checks = 0
-
-    def check(ok, what):
-        nonlocal checks
-        checks += 1
-        if not ok:
-            fails.append(f"rank {r}: {what}")
+    check = Checks(fails)
 
     for numel in (7, 20_000, 600_001):
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -134,7 +141,49 @@ def check_ops(fails: list[str]) -> int:
         for op in ("reduce_scatter_tensor", "reduce_scatter", "all_gather", "all_gather_into_tensor"):
             check(f"{op}/hierarchical-striped-shm-tcp" in st, f"striped {op} never ran: {sorted(st)}")
             check(f"{op}/hierarchical-shm-tcp" in st, f"leader {op} never ran: {sorted(st)}")
-    return checks
+    return check.count
+
+
+def check_split(fails: list[str]) -> int:
+    """split_group across hosts, as a 2-D mesh: a group per host and a group per local rank across
+    the hosts, both on the world's connections (no socket of their own), each checked while the
+    world runs ops of its own at the same time."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    check = Checks(fails, "split: ")
+
+    hosts = [None] * n
+    dist.all_gather_object(hosts, c10d_ext.cross_rank())
+    by_host = [[q for q in range(n) if hosts[q] == h] for h in sorted(set(hosts))]
+    if any(len(g) != len(by_host[0]) for g in by_host):
+        return 0
+    across = [list(col) for col in zip(*by_host)]  # local rank i of every host
+    dist.barrier()
+    before = open_sockets()
+    host_g = dist.split_group(split_ranks=by_host)
+    cross_g = dist.split_group(split_ranks=across)
+    check(open_sockets() == before, f"the splits opened sockets: {before} -> {open_sockets()}")
+    for g, ranks, what in ((host_g, next(h for h in by_host if r in h), "per host"),
+                           (cross_g, next(c for c in across if r in c), "across hosts")):
+        for numel in (7, 600_001):
+            xs = {q: make(q, (numel,), torch.float32, numel) for q in ranks}
+            t = xs[r].clone()
+            w = make(r, (numel,), torch.float32, 9)
+            a = dist.all_reduce(w, async_op=True)  # the world's op at the same time
+            dist.all_reduce(t, group=g)
+            a.wait()
+            check(close(t, reduce_all([xs[q] for q in ranks], "SUM")), f"all_reduce {what} {numel}")
+            check(close(w, reduce_all([make(q, (numel,), torch.float32, 9) for q in range(n)], "SUM")),
+                  f"the world's all_reduce beside the split's {what} {numel}")
+            for root in ranks:
+                b = xs[r].clone()
+                dist.broadcast(b, src=root, group=g)
+                check(torch.equal(b, xs[root]), f"broadcast {what} from {root} {numel}")
+            outs = [torch.empty(numel) for _ in ranks]
+            dist.all_gather(outs, xs[r], group=g)
+            check(all(torch.equal(o, xs[q]) for o, q in zip(outs, ranks)), f"all_gather {what} {numel}")
+        links = g._get_backend(torch.device("cpu")).describe_links()
+        check("links shared with" in links, f"{what}: not on the world's links: {links!r}")
+    return check.count
 
 
 def train(out_dir: str) -> None:
@@ -164,6 +213,8 @@ def main() -> int:
     try:
         if mode in ("all", "ops"):
             result["checks"] = check_ops(result["fails"])
+        if mode == "all":
+            result["checks"] += check_split(result["fails"])
         if mode in ("all", "ddp"):
             train(out_dir)
     except Exception:  # noqa: BLE001

@@ -4,6 +4,7 @@ double), merge, shrink_group and survivors, with a local expectation for every r
 from __future__ import annotations
 
 import functools
+import os
 import time
 from datetime import timedelta
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from expect import make
-from harness import Report, assert_reports
+from harness import Report, assert_reports, open_sockets
 
 DOUBLE = {
     "MYCCL_TEST_CUDA_DOUBLE": "1",
@@ -129,6 +130,7 @@ def body_split_times(ctx, reps):
         ts = []
         for _ in range(reps):
             dist.barrier()
+            socks, threads = open_sockets(), len(os.listdir("/proc/self/task"))
             t0 = time.perf_counter()
             if kind == "new_group":
                 g = [dist.new_group(h) for h in halves][ctx.rank // 2]
@@ -136,6 +138,8 @@ def body_split_times(ctx, reps):
                 g = _split(split_ranks=halves)
             dist.all_reduce(torch.ones(1), group=g)  # ready to use
             ts.append(time.perf_counter() - t0)
+            out[kind + " sockets"] = open_sockets() - socks
+            out[kind + " threads"] = len(os.listdir("/proc/self/task")) - threads
         out[kind] = sorted(ts)[len(ts) // 2]
     return out
 
@@ -144,7 +148,99 @@ def test_split_creation_time(run):
     res = _run_split(run, 4, body_split_times, 5, timeout=120)
     med = {k: max(r[k] for r in res) for k in res[0]}
     print(f"creation of a 2-rank group at 4 ranks, median of 5: new_group {med['new_group'] * 1e3:.1f} ms, "
-          f"split_group {med['split_group'] * 1e3:.1f} ms")
+          f"split_group {med['split_group'] * 1e3:.1f} ms; per group, sockets +{med['new_group sockets']} / "
+          f"+{med['split_group sockets']}, threads +{med['new_group threads']} / +{med['split_group threads']}")
+
+
+@_skippable
+def body_split_shares_links(ctx):
+    """A split group travels on its parent's connections, on a channel of its own: no new socket,
+    and ops of the parent and of the split with the same sequence numbers and tags in flight at once
+    between the same pair never take each other's messages."""
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    r, n = ctx.rank, ctx.size
+    halves = [[0, 1], [3, 2]]
+    mine = next(h for h in halves if r in h)
+    peer_in_sub = mine[1 - mine.index(r)]
+    dist.barrier()
+    before = open_sockets()
+    sub = _split(split_ranks=halves)
+    rep.check(open_sockets() == before, f"the split opened no socket: {before} -> {open_sockets()}")
+    links = sub._get_backend(torch.device("cpu")).describe_links()
+    rep.check("links shared with" in links, f"the split's links are its parent's: {links!r}")
+    for it in range(4):
+        # the parent's op and the split's op, each the it-th of its group, both in flight
+        big = 3000 + it  # several TCP chunks and stripes, besides eager messages
+        wp, ws = torch.full((big,), float(r + it)), torch.full((big,), float(10 * r + it))
+        a = dist.all_reduce(wp, async_op=True)
+        b = dist.all_reduce(ws, group=sub, async_op=True)
+        # point-to-point with one user tag on both groups, in opposite orders
+        got_p, got_s = torch.empty(7), torch.empty(7)
+        reqs = [dist.isend(torch.full((7,), 100.0 * r + it), peer_in_sub, tag=5, group=sub),
+                dist.irecv(got_s, peer_in_sub, tag=5, group=sub),
+                dist.isend(torch.full((7,), -100.0 * r - it), (r + 1) % n, tag=5),
+                dist.irecv(got_p, (r - 1) % n, tag=5)]
+        for q in reqs + [a, b]:
+            q.wait()
+        rep.check(torch.equal(wp, torch.full((big,), float(sum(q + it for q in range(n))))), f"parent all_reduce #{it}")
+        rep.check(torch.equal(ws, torch.full((big,), float(sum(10 * q + it for q in mine)))), f"split all_reduce #{it}")
+        rep.check(torch.equal(got_s, torch.full((7,), 100.0 * peer_in_sub + it)), f"split recv #{it}: {got_s[0]}")
+        rep.check(torch.equal(got_p, torch.full((7,), -100.0 * ((r - 1) % n) - it)), f"parent recv #{it}: {got_p[0]}")
+    _check_group(rep, sub, mine, "split after the mixed traffic")
+    dist.monitored_barrier(group=sub, timeout=timedelta(seconds=20), wait_all_ranks=True)  # its own tags
+    # the split goes away orderly; the links stay for the parent, and lend again
+    dist.destroy_process_group(sub)
+    _check_group(rep, None, list(range(n)), "parent after the split was destroyed")
+    again = _split(split_ranks=halves)
+    _check_group(rep, again, mine, "a second split on the same links", seed=3)
+    return rep.result()
+
+
+def test_split_shares_links(run):
+    assert_reports(_run_split(run, 4, body_split_shares_links, timeout=120,
+                              env={"MYCCL_TRANSPORT": "tcp"}))
+
+
+@_skippable
+def body_split_failure_stays_in_its_channel(ctx, numel):
+    """A split group that fails (rank 0's op times out: rank 1 never joins it) fails alone: rank 1
+    learns it from rank 0's notice, not from a timeout of its own, and the parent group and the other
+    split go on over the same connections. With a large op, rank 0's sends were announced and never
+    taken when it failed: they are withdrawn, not left to close the links."""
+    ctx.init(timeout=30)
+    rep = Report(ctx)
+    r, n = ctx.rank, ctx.size
+    halves = [[0, 1], [2, 3]]
+    mine = halves[r // 2]
+    sub = _split(split_ranks=halves, timeout=timedelta(seconds=2))
+    _check_group(rep, sub, mine, "split before the failure")
+    if r == 0:
+        try:
+            dist.all_reduce(torch.ones(numel), group=sub)
+            rep.fail("the all_reduce without rank 1 completed")
+        except RuntimeError as e:
+            rep.check("Timed out" in str(e), f"rank 0 times out: {e}")
+    dist.barrier()  # the parent, on the same connections, after rank 0's split failed
+    if r == 1:
+        try:
+            dist.all_reduce(torch.ones(5), group=sub)
+            rep.fail("an all_reduce with the failed rank 0 completed")
+        except RuntimeError as e:
+            # told by rank 0's notice: its own timeout would say "Timed out ... waiting for rank 0"
+            rep.check("failed and left it" in str(e) and "waiting for rank 0" not in str(e),
+                      f"rank 1 is told that rank 0's split failed: {e}")
+    if r >= 2:
+        _check_group(rep, sub, mine, "the other split, unaffected")
+    for it in range(2):
+        _check_group(rep, None, list(range(n)), f"parent after the split failed #{it}", seed=30 + it)
+    return rep.result()
+
+
+@pytest.mark.parametrize("numel", [5, 1 << 20], ids=["eager", "announced"])
+def test_split_failure_stays_in_its_channel(run, numel):
+    assert_reports(_run_split(run, 4, body_split_failure_stays_in_its_channel, numel, timeout=120,
+                              env={"MYCCL_TRANSPORT": "tcp"}))
 
 
 @_skippable

@@ -16,6 +16,7 @@
   X(int64_t, restartCount, "restart_count", 0)            /* TORCHELASTIC_RESTART_COUNT */       \
   X(std::string, hostId, "host_id", "")                   /* MYCCL_HOST_ID */                    \
   X(bool, hierarchical, "hierarchical", true)             /* MYCCL_HIERARCHICAL */               \
+  X(bool, splitSharesLinks, "split_shares_links", true)   /* MYCCL_SPLIT_LINKS */                \
   X(int, numThreads, "num_threads", 1)                    /* MYCCL_NUM_THREADS */                \
   X(bool, debugDetail, "debug_detail", false)             /* MYCCL_DEBUG=DETAIL */               \
   X(int64_t, tcpEagerBytes, "tcp_eager_bytes", 64 * 1024) /* MYCCL_TCP_EAGER_BYTES */            \

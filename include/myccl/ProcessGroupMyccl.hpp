@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -35,9 +36,11 @@ class MycclBackend final : public c10d::Backend {
   // `keyPrefix`: where in the store the group meets (empty: a fresh incarnation's key space; a
   // shrunk group passes the one its members derive from their parent). `reconfigurable`: torch's
   // enable_reconfigure, the group holds no links until reconfigure() names its members.
+  // `makeCpu`: builds the CPU engine instead (a split on its parent's links), given the recorder.
+  using CpuMaker = std::function<std::unique_ptr<cpu::CpuEngine>(std::shared_ptr<Recorder>)>;
   MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
                std::string groupName, std::vector<int64_t> globalRanks, Config cfg, const std::string& keyPrefix = "",
-               bool reconfigurable = false);
+               bool reconfigurable = false, const CpuMaker& makeCpu = nullptr);
   ~MycclBackend() override;
 
   const std::string getBackendName() const override { return "myccl"; }

@@ -26,6 +26,12 @@ struct Topology {
 
   // Collective over the group: every rank publishes its identity under `prefix`; ranks that
   // do not within `timeout` are named in the error (`where`: the op and rank, for messages).
+  // From every rank's host identity, in rank order.
+  static Topology fromHostIds(int rank, const std::vector<std::string>& idOfRank);
+  // The topology of a group made of some of this one's ranks (`members`, in the new group's
+  // order), seen from its rank `rank`.
+  Topology subset(const std::vector<int>& members, int rank) const;
+
   static Topology exchange(c10d::Store& store, const std::string& prefix, int rank, int size,
                            const std::string& hostId, std::chrono::milliseconds timeout, const std::string& where);
 };

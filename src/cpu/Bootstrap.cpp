@@ -18,6 +18,7 @@
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
 #include "myccl/StoreWait.hpp"
+#include "myccl/cpu/transport/Channel.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 #include "myccl/cpu/transport/Shm.hpp"
 #include "myccl/cpu/transport/Tcp.hpp"
@@ -140,11 +141,25 @@ GroupLinks bootstrapGroup(c10d::Store& store, int rank, int size, std::chrono::m
   // with the mailbox in place, so no announcement can arrive before there is one.
   if (links.shm && links.shm->mailboxSlotBytes() > 0) setup.mailbox = std::make_shared<ShmMailbox>(links.shm);
   links.transport = std::make_shared<TcpTransport>(store, prefix + "tcp/", setup, token);
+  links.shared = std::make_shared<SharedLinks>(links.transport, group);
   if (logEnabled(LogLevel::Info)) {
     log(LogLevel::Info, "group '" + group + "' rank " + std::to_string(rank) + "/" + std::to_string(size) + ": " +
                             std::to_string(topo.crossSize) + " host(s), collectives over " +
                             (links.shm ? "shared memory" : "TCP") + ", TCP listener on " + setup.bindAddress);
   }
+  return links;
+}
+
+GroupLinks splitGroupLinks(c10d::Store& store, const SplitSource& parent, const std::vector<int>& members, int rank,
+                           std::chrono::milliseconds timeout, const std::string& group, const Config& cfg) {
+  GroupLinks links;
+  links.keyPrefix = incarnationPrefix(store, cfg);
+  links.topo = parent.topo.subset(members, rank);
+  links.shm = sharedMemory(store, links.keyPrefix, links.topo, timeout, cfg);
+  // A transfer this group cannot withdraw when it fails is given this long before the shared
+  // links close under it (ChannelTransport).
+  const auto grace = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(2));
+  links.transport = std::make_shared<ChannelTransport>(parent.links, members, rank, parent.channel, group, grace);
   return links;
 }
 

@@ -11,6 +11,7 @@
 #include "myccl/cpu/Parallel.hpp"
 #include "myccl/cpu/algorithms/Algorithms.hpp"
 #include "myccl/cpu/transport/Shm.hpp"
+#include "myccl/cpu/transport/Channel.hpp"
 #include "myccl/cpu/transport/Transport.hpp"
 
 #include <ATen/ATen.h>
@@ -65,6 +66,7 @@ CpuEngine::CpuEngine(c10::intrusive_ptr<c10d::Store> store, GroupLinks links, st
                      std::shared_ptr<Recorder> recorder)
     : store_(std::move(store)), keyPrefix_(links.keyPrefix), barrierBytes_(2 * links.topo.size),
       transport_(std::move(links.transport)),
+      shared_(std::move(links.shared)),
       shm_(std::move(links.shm)), topo_(links.topo), rank_(topo_.rank), size_(topo_.size), group_(std::move(group)),
       cfg_(cfg), scratch_(std::make_unique<Scratch>()), recorder_(std::move(recorder)) {
   if (cfg_.numThreads > 1) par_ = std::make_unique<Parallel>(cfg_.numThreads);  // the op's own thread + helpers
@@ -88,7 +90,7 @@ CpuEngine::CpuEngine(c10::intrusive_ptr<c10d::Store> store, GroupLinks links, st
   std::weak_ptr<Recorder> rec = recorder_;
   const std::string dumpDir = cfg_.flightRecorderDump;
   auto dumped = std::make_shared<std::atomic<bool>>(false);
-  transport_->setPeerFailedCallback([rec, dumpDir, dumped](int peer, const std::string& why) {
+  transport_->addPeerFailedCallback([rec, dumpDir, dumped](int peer, const std::string& why) {
     auto r = rec.lock();
     if (r && !dumped->exchange(true)) r->dumpTo(dumpDir, "peer rank " + std::to_string(peer) + " failed: " + why);
   });
@@ -103,8 +105,25 @@ CpuEngine::~CpuEngine() {
   }
   cv_.notify_all();
   joinOrDetach(thread_);
-  transport_->close("process group destroyed");
+  closeLinks("process group destroyed");
   if (shm_) shm_->abort("process group destroyed");
+}
+
+void CpuEngine::closeLinks(const std::string& reason) {
+  if (shared_) {
+    shared_->release(reason);
+  } else {
+    transport_->close(reason);
+  }
+}
+
+SplitSource CpuEngine::splitSource() {
+  // The same answer on every rank, whatever each has seen: a split that shares on some ranks and
+  // not on others would never meet. (Links a failure closed fail the new group's ops, saying so.)
+  if (!shared_ || !cfg_.splitSharesLinks) return {};
+  const int channel = shared_->nextChannel();
+  if (channel < 0) return {};
+  return SplitSource{shared_, topo_, channel};
 }
 
 void CpuEngine::checkUsable(const OpInfo& info) const {
@@ -237,6 +256,7 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
     }
     os << "; that rank has not reached this op (it may be stuck, dead, or calling something else)";
     auto stray = transport_->unmatched();
+    std::erase_if(stray, [](const auto& m) { return tagChannel(m.second) != 0; });  // split groups' own
     if (!stray.empty()) {
       os << ". Unmatched messages:";
       size_t shown = 0;
@@ -275,8 +295,9 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
 void CpuEngine::checkStrays(uint64_t seq) {
   for (auto& [peer, tag] : transport_->unmatched()) {
     if (!isCollectiveTag(tag)) continue;  // point-to-point messages may legitimately wait
+    if (tagChannel(tag) != 0) continue;  // a group split from this one, on the same links
     if (tagOpCode(tag) == OpCode::MonitoredBarrier) continue;  // numbered apart from the ops
-    if (tagSeq(tag) >= (seq & kSeqMask)) continue;  // a peer simply ahead of us
+    if (!seqBefore(tagSeq(tag), seq & kSeqMask)) continue;  // a peer simply ahead of us
     throw CommError(CommErrorKind::Protocol,
                     "rank " + std::to_string(peer) + " sent data for " + describeTag(tag) +
                         " that this rank never received: the ranks disagreed about that op (its root, or whether "
@@ -362,7 +383,7 @@ void CpuEngine::shutdown() {
   }
   cv_.notify_all();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
-  transport_->close("it shut down its process group");
+  closeLinks("it shut down its process group");
   if (shm_) shm_->abort("process group shut down");
 }
 

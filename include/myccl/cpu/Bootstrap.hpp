@@ -18,12 +18,23 @@ namespace myccl::cpu {
 
 class Transport;
 class ShmGroup;
+class SharedLinks;
 
 struct GroupLinks {
   std::string keyPrefix;  // this incarnation's key space in the store
   Topology topo;
   std::shared_ptr<ShmGroup> shm;  // null: no shared memory among this host's ranks of the group
   std::shared_ptr<Transport> transport;
+  // The group made these links and lends them to the groups split from it; null when the
+  // transport is a channel on another group's links.
+  std::shared_ptr<SharedLinks> shared;
+};
+
+// What a split needs from the group it splits (CpuEngine::splitSource).
+struct SplitSource {
+  std::shared_ptr<SharedLinks> links;  // null: the split makes links of its own
+  Topology topo;
+  int channel = -1;
 };
 
 // The key space of a new incarnation of a group on `store`: the same on every rank, and never one
@@ -35,6 +46,12 @@ std::string incarnationPrefix(c10d::Store& store, const Config& cfg);
 // the one given (`keyPrefix`, which every rank derives alike: a shrunk group's).
 GroupLinks bootstrapGroup(c10d::Store& store, int rank, int size, std::chrono::milliseconds timeout,
                           const std::string& group, const Config& cfg, const std::string& keyPrefix = "");
+
+// Collective over the new group's members (`members`: their ranks in the parent, in the new group's
+// order): links on the channel `parent` lent of the parent's connections, and shared memory of its own
+// among this host's members, which meet in `store` (the new group's key space).
+GroupLinks splitGroupLinks(c10d::Store& store, const SplitSource& parent, const std::vector<int>& members, int rank,
+                           std::chrono::milliseconds timeout, const std::string& group, const Config& cfg);
 
 // Collective over the group's ranks: a zero-filled CPU tensor whose storage every rank of the
 // group on this host maps (one copy per host). `serial` numbers the calls (the same on every

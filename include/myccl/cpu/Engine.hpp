@@ -58,7 +58,16 @@ class CpuEngine final : public Engine {
   CpuEngine(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
             std::string group, const Config& cfg, std::shared_ptr<Recorder> recorder,
             const std::string& keyPrefix = "");
+  // Collective over the group, on links made beforehand (splitGroupLinks: a group split from another).
+  CpuEngine(c10::intrusive_ptr<c10d::Store> store, GroupLinks links, std::string group, const Config& cfg,
+            std::shared_ptr<Recorder> recorder);
   ~CpuEngine() override;
+
+  // What a split of this group reuses: its links, which it lends on a fresh channel, and its
+  // topology. Empty (no links) when the group uses another group's links or has lent every channel
+  // (or MYCCL_SPLIT_LINKS=0); the split then makes links of its own. Collective over the group (it
+  // counts channels).
+  SplitSource splitSource();
 
   WorkPtr broadcast(OpInfo info, at::Tensor t, int root) override;
   WorkPtr allreduce(OpInfo info, std::vector<at::Tensor> tensors, const Reduction& red) override;
@@ -110,8 +119,8 @@ class CpuEngine final : public Engine {
   at::Tensor sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype);
 
  private:
-  CpuEngine(c10::intrusive_ptr<c10d::Store> store, GroupLinks links, std::string group, const Config& cfg,
-            std::shared_ptr<Recorder> recorder);
+  // Closes this group's links, orderly: links lent to split groups close with the last of them.
+  void closeLinks(const std::string& reason);
 
   struct Op {
     WorkPtr work;
@@ -136,6 +145,7 @@ class CpuEngine final : public Engine {
   std::vector<char> barrierBytes_;
   std::atomic<uint64_t> sharedCount_{0};
   std::shared_ptr<Transport> transport_;
+  std::shared_ptr<SharedLinks> shared_;  // transport_ lent to split groups; null on a channel
   std::shared_ptr<ShmGroup> shm_;
   std::unique_ptr<Parallel> par_;
   size_t streamMinBytes_ = SIZE_MAX;  // MYCCL_STREAM_STORE_BYTES resolved (SIZE_MAX: never)

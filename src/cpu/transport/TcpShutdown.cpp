@@ -33,9 +33,8 @@ void TcpTransport::peerFailedLocked(int peer, const std::string& why, std::vecto
   if (p.dead) return;
   // A peer that vanished without an orderly goodbye is a failure worth diagnosing (not when we
   // are the ones closing, and not twice if it already said it failed).
-  if (!closed_ && !p.orderlyGoodbye && !p.goodbyeIsFailure && peerFailed_) {
-    auto cb = peerFailed_;
-    done.push_back([cb, peer, why] { cb(peer, why); });
+  if (!closed_ && !p.orderlyGoodbye && !p.goodbyeIsFailure) {
+    done.push_back([this, peer, why] { notifyPeerFailed(peer, why); });
   }
   p.dead = true;
   p.deadReason = why;

@@ -11,6 +11,11 @@ void Request::wait(Deadline deadline) {
   if (failed_) throw CommError(kind_, error_, errorPeer_);
 }
 
+bool Request::done() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
 int Request::source() const {
   std::lock_guard<std::mutex> lk(mu_);
   return source_;
@@ -58,6 +63,20 @@ void Request::onDone(std::function<void()> fn) {
 void Request::rethrow() const {
   std::lock_guard<std::mutex> lk(mu_);
   if (failed_) throw CommError(kind_, error_, errorPeer_);
+}
+
+void Transport::addPeerFailedCallback(std::function<void(int peer, const std::string& why)> cb) {
+  std::lock_guard<std::mutex> lk(peerFailedMu_);
+  peerFailed_.push_back(std::move(cb));
+}
+
+void Transport::notifyPeerFailed(int peer, const std::string& why) {
+  std::vector<std::function<void(int, const std::string&)>> cbs;
+  {
+    std::lock_guard<std::mutex> lk(peerFailedMu_);
+    cbs = peerFailed_;
+  }
+  for (auto& cb : cbs) cb(peer, why);
 }
 
 void waitAll(std::vector<RequestPtr>& reqs, Deadline deadline) {

@@ -2,9 +2,12 @@
 // carries a tag unique to its op and step, so messages of different ops or steps never match:
 //   bit 63       1 for collectives, 0 for point-to-point
 //   bits 56..62  OpCode
-//   bits 16..55  the op's sequence number (40 bits)
+//   bits 48..55  the channel: 0 for the group that made the links, 1..255 for groups split from
+//                it that share them (ChannelTransport adds and removes it; algorithms never see it)
+//   bits 16..47  the op's sequence number (32 bits, compared modulo 2^32)
 //   bits  0..15  the step within the op (an algorithm's own numbering)
-// A point-to-point tag has bit 63 clear and the user's tag in its low 32 bits.
+// A point-to-point tag has bit 63 clear, the channel in bits 48..55 and the user's tag in its low
+// 32 bits.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +17,7 @@ namespace myccl::cpu {
 
 enum class OpCode : uint8_t {
   Broadcast = 1, Allreduce, Reduce, Allgather, Gather, Scatter, ReduceScatter, Alltoall, Barrier,
+  ChannelClose = 0x7b,      // a group on shared links tells its peers it failed (ChannelTransport)
   Window = 0x7c,            // one-sided windows' puts and signals (seq: the group's window number)
   MonitoredBarrier = 0x7d,  // numbered apart from the ops (Backend::monitoredBarrier)
   Fingerprint = 0x7e,       // MYCCL_DEBUG=DETAIL's cross-rank check before an op
@@ -23,7 +27,10 @@ inline constexpr uint64_t kCollectiveBit = uint64_t{1} << 63;
 inline constexpr int kOpCodeShift = 56;
 inline constexpr uint64_t kOpCodeMask = 0x7f;
 inline constexpr int kSeqShift = 16;
-inline constexpr uint64_t kSeqMask = 0xffffffffffull;
+inline constexpr uint64_t kSeqMask = 0xffffffffull;
+inline constexpr int kChannelShift = 48;
+inline constexpr uint64_t kChannelMask = 0xff;
+inline constexpr int kMaxChannel = 255;
 
 // The tag of an op's step 0; its steps are tagBase | step.
 constexpr uint64_t collectiveTagBase(OpCode code, uint64_t seq) {
@@ -40,6 +47,17 @@ constexpr OpCode tagOpCode(uint64_t tag) {
 }
 constexpr uint64_t tagSeq(uint64_t tag) {
   return (tag >> kSeqShift) & kSeqMask;
+}
+// Whether sequence number `a` comes before `b`, across the wrap at 2^32.
+constexpr bool seqBefore(uint64_t a, uint64_t b) {
+  const uint64_t ahead = (b - a) & kSeqMask;
+  return ahead != 0 && ahead < (kSeqMask >> 1);
+}
+constexpr int tagChannel(uint64_t tag) {
+  return static_cast<int>((tag >> kChannelShift) & kChannelMask);
+}
+constexpr uint64_t withChannel(uint64_t tag, int channel) {
+  return (tag & ~(kChannelMask << kChannelShift)) | ((static_cast<uint64_t>(channel) & kChannelMask) << kChannelShift);
 }
 
 // torch's name of the op ("all_reduce"); "op" for a code that names none.

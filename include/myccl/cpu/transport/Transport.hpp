@@ -28,6 +28,7 @@ class Request {
   // Blocks until the request is done; throws CommError on failure or at the deadline.
   void wait(Deadline deadline);
   int source() const;  // the peer that matched (useful for receive-from-any)
+  bool done() const;
   int peer() const { return peer_; }
   uint64_t tag() const { return tag_; }
   size_t nbytes() const { return nbytes_; }
@@ -87,18 +88,24 @@ class Transport {
   // orderly shutdown.
   virtual void close(const std::string& reason, bool failure = false) = 0;
   // Called (once per peer, on a transport thread, outside its locks) when a peer fails: it
-  // reported an error or vanished without an orderly goodbye.
-  void setPeerFailedCallback(std::function<void(int peer, const std::string& why)> cb) { peerFailed_ = std::move(cb); }
+  // reported an error or vanished without an orderly goodbye. Every group on these links may
+  // add one (a group and the groups split from it share them).
+  void addPeerFailedCallback(std::function<void(int peer, const std::string& why)> cb);
 
  protected:
-  std::function<void(int, const std::string&)> peerFailed_;
+  void notifyPeerFailed(int peer, const std::string& why);
+
+ private:
+  std::mutex peerFailedMu_;
+  std::vector<std::function<void(int, const std::string&)>> peerFailed_;
 
  public:
   // Human-readable description of the link to a peer, for error messages and `info`.
   virtual std::string describePeer(int peer) const = 0;
   // Why `peer` is known to be gone ("" while it is alive as far as this transport knows).
   virtual std::string peerGone(int peer) const { return ""; }
-  // Withdraws a receive nobody has started to fill; false if data already flows into it.
+  // Withdraws a receive nobody has started to fill, or a send none of whose bytes has been taken;
+  // false if data already flows. A withdrawn request never completes.
   virtual bool cancel(const RequestPtr& req) { return false; }
   // Messages that arrived but match no posted receive: (peer, tag). Explains hangs.
   virtual std::vector<std::pair<int, uint64_t>> unmatched() const { return {}; }
