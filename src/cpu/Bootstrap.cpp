@@ -11,6 +11,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <typeinfo>
@@ -18,6 +20,7 @@
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
 #include "myccl/StoreWait.hpp"
+#include "myccl/cpu/algorithms/Tags.hpp"
 #include "myccl/cpu/transport/Channel.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 #include "myccl/cpu/transport/Shm.hpp"
@@ -43,10 +46,55 @@ std::string groupSecret(c10d::Store& store, const std::string& prefix, int rank,
   return std::string(v.begin(), v.end());
 }
 
+// The local ranks' trades of a new shared-memory group (ShmExchange) through the store.
+ShmExchange storeExchange(c10d::Store& store, const std::string& prefix, const Topology& topo,
+                          std::chrono::milliseconds timeout) {
+  return [&store, prefix, topo, timeout](int step, const std::string& mine) {
+    const std::string key = prefix + (step == 0 ? "shm/name/" : "shm/mapped/");
+    store.set(key + std::to_string(topo.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+    std::vector<std::string> keys, out;
+    for (int r : topo.localRanks) keys.push_back(key + std::to_string(r));
+    waitForRanks(store, keys, topo.localRanks, timeout, "their shared-memory setup",
+                 "init (rank " + std::to_string(topo.rank) + ")");
+    for (auto& v : store.multiGet(keys)) out.emplace_back(v.begin(), v.end());
+    return out;
+  };
+}
+
+// The same over links the group already has (a split's, on its parent's connections): no store.
+ShmExchange linkExchange(Transport& links, const Topology& topo, std::chrono::milliseconds timeout,
+                         const std::string& where) {
+  return [&links, topo, timeout, where](int step, const std::string& mine) {
+    constexpr size_t kBytes = 512;  // a segment name, or why this rank has no shared memory
+    const int n = topo.localSize;
+    std::vector<std::array<char, kBytes>> got(n);
+    std::array<char, kBytes> out{};
+    std::memcpy(out.data(), mine.data(), std::min(mine.size(), kBytes - 1));
+    const uint64_t tag = collectiveTagBase(OpCode::Setup, 0) | static_cast<uint64_t>(step);
+    std::vector<RequestPtr> reqs;
+    for (int i = 0; i < n; ++i) {
+      if (i == topo.localRank) continue;
+      reqs.push_back(links.irecv(topo.localRanks[i], tag, got[i].data(), kBytes));
+      reqs.push_back(links.isend(topo.localRanks[i], tag, out.data(), kBytes));
+    }
+    try {
+      waitAll(reqs, Clock::now() + timeout);
+    } catch (const CommError& e) {
+      for (auto& r : reqs) links.cancel(r);
+      throwDistError("myccl: " + where + ": setting up shared memory with this host's ranks: " + e.what() +
+                     (e.peer() >= 0 ? " (rank " + std::to_string(e.peer()) + ")" : std::string()));
+    }
+    std::vector<std::string> all(n);
+    for (int i = 0; i < n; ++i)
+      all[i] = i == topo.localRank ? mine : std::string(got[i].data(), strnlen(got[i].data(), kBytes));
+    return all;
+  };
+}
+
 // Shared memory among this host's ranks of the group (all of them, or one level of a
 // hierarchical group that spans hosts); null when there is no other local rank, when TCP is
 // forced, or (with a warning) when shared memory is unavailable and not required.
-std::shared_ptr<ShmGroup> sharedMemory(c10d::Store& store, const std::string& prefix, const Topology& topo,
+std::shared_ptr<ShmGroup> sharedMemory(const ShmExchange& exchange, const Topology& topo,
                                        std::chrono::milliseconds timeout, const Config& cfg) {
   if (topo.localSize <= 1 || cfg.transport == "tcp") return nullptr;
   ShmGroup::Options so;
@@ -58,7 +106,7 @@ std::shared_ptr<ShmGroup> sharedMemory(c10d::Store& store, const std::string& pr
   // Mailbox slots for local messages up to the eager limit.
   so.mailboxSlotBytes = static_cast<size_t>(std::clamp<int64_t>(cfg.localEagerBytes, 0, kMaxMailboxSlotBytes));
   try {
-    return std::make_shared<ShmGroup>(store, prefix, so);
+    return std::make_shared<ShmGroup>(exchange, so);
   } catch (const ShmUnavailable& e) {
     MYCCL_CHECK(cfg.transport != "shm", "init (rank ", topo.rank,
                 "): MYCCL_TRANSPORT=shm but shared memory is unavailable: ", e.what());
@@ -134,7 +182,7 @@ GroupLinks bootstrapGroup(c10d::Store& store, int rank, int size, std::chrono::m
     setup.directPeers.resize(size);
     for (int r = 0; r < size; ++r) setup.directPeers[r] = r != rank && topo.sameHost(rank, r);
   }
-  links.shm = sharedMemory(store, prefix, topo, timeout, cfg);
+  links.shm = sharedMemory(storeExchange(store, prefix, topo, timeout), topo, timeout, cfg);
   MYCCL_CHECK_ARG(cfg.transport != "shm" || topo.singleHost(), "init (rank ", rank,
                   "): MYCCL_TRANSPORT=shm but the group spans ", topo.crossSize, " hosts");
   // Made after shared memory, which it may use for local messages: its epoll thread starts
@@ -155,11 +203,13 @@ GroupLinks splitGroupLinks(c10d::Store& store, const SplitSource& parent, const 
   GroupLinks links;
   links.keyPrefix = incarnationPrefix(store, cfg);
   links.topo = parent.topo.subset(members, rank);
-  links.shm = sharedMemory(store, links.keyPrefix, links.topo, timeout, cfg);
   // A transfer this group cannot withdraw when it fails is given this long before the shared
   // links close under it (ChannelTransport).
   const auto grace = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(2));
   links.transport = std::make_shared<ChannelTransport>(parent.links, members, rank, parent.channel, group, grace);
+  // Its own segments (the step protocol's state is per group), traded over the links.
+  const std::string where = "split (rank " + std::to_string(rank) + ", group '" + group + "')";
+  links.shm = sharedMemory(linkExchange(*links.transport, links.topo, timeout, where), links.topo, timeout, cfg);
   return links;
 }
 

@@ -18,6 +18,7 @@ const char* opCodeName(OpCode code) {
     case OpCode::Window: return "window";
     case OpCode::Fingerprint: return "fingerprint check of";
     case OpCode::ChannelClose: return "failure notice of";
+    case OpCode::Setup: return "setup of";
   }
   return "op";
 }

@@ -21,7 +21,6 @@
 #include <thread>
 
 #include "myccl/Log.hpp"
-#include "myccl/StoreWait.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 
 namespace myccl::cpu {
@@ -205,7 +204,7 @@ struct alignas(64) ShmGroup::Ctrl {
 };
 
 
-ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
+ShmGroup::ShmGroup(const ShmExchange& exchange, Options opts)
     : rank_(opts.rank), size_(static_cast<int>(opts.groupRanks.size())), groupRanks_(opts.groupRanks) {
   staging_ = (std::max<size_t>(opts.stagingBytes, 4096) + 4095) / 4096 * 4096;
   if (size_ > 1 && opts.mailboxSlotBytes > 0) {
@@ -230,16 +229,8 @@ ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
 
   // Every rank learns whether every other rank succeeded, so all of them reach the same
   // decision (shared memory or not) instead of some waiting for a segment that never comes.
-  const std::string me = std::to_string(groupRanks_[rank_]);
-  auto publish = [&](const std::string& key, const std::string& value) {
-    store.set(prefix + key + me, std::vector<uint8_t>(value.begin(), value.end()));
-  };
-  auto collect = [&](const std::string& key) {
-    std::vector<std::string> keys, out;
-    for (int r = 0; r < size_; ++r) keys.push_back(prefix + key + std::to_string(groupRanks_[r]));
-    waitForRanks(store, keys, groupRanks_, opts.timeout, "their shared-memory setup",
-                 "init (rank " + std::to_string(groupRanks_[rank_]) + ")");
-    for (auto& v : store.multiGet(keys)) out.emplace_back(v.begin(), v.end());
+  auto trade = [&](int step, const std::string& mine) {
+    auto out = exchange(step, mine);
     for (int r = 0; r < size_; ++r) {
       if (!out[r].empty() && out[r][0] == '!') {
         throw ShmUnavailable("rank " + std::to_string(groupRanks_[r]) + ": " + out[r].substr(1));
@@ -263,8 +254,7 @@ ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  publish("shm/name/", failure.empty() ? mine_->name() : "!" + failure);
-  auto names = collect("shm/name/");
+  auto names = trade(0, failure.empty() ? mine_->name() : "!" + failure);
 
   peers_.resize(size_);
   bases_.assign(size_, nullptr);
@@ -285,9 +275,8 @@ ShmGroup::ShmGroup(c10d::Store& store, const std::string& prefix, Options opts)
   }
   // Once everybody has mapped everything the names can go: from here on a crash leaves
   // nothing behind in /dev/shm.
-  publish("shm/mapped/", failure.empty() ? std::string("ok") : "!" + failure);
   try {
-    collect("shm/mapped/");
+    trade(1, failure.empty() ? std::string("ok") : "!" + failure);
   } catch (...) {
     mine_->unlink();
     throw;

@@ -66,6 +66,12 @@ struct StepDesc {
   uint64_t arg = 0;  // op-specific agreement value (e.g. element count and dtype)
 };
 
+// How the local ranks of a new shared-memory group trade one string each, collectively (the
+// segment names, then whether every mapping worked): `step` numbers the trades (0, 1); returns
+// every local rank's string, by local index. Through the store, or, for a group split from
+// another, over the links it shares with it (Bootstrap.cpp).
+using ShmExchange = std::function<std::vector<std::string>(int step, const std::string& mine)>;
+
 class ShmGroup {
  public:
   struct Options {
@@ -82,7 +88,7 @@ class ShmGroup {
   static constexpr int kMailboxSlots = 4;  // per ordered pair of local ranks
 
   // Collective over the local ranks: create, publish, map, unlink.
-  ShmGroup(c10d::Store& store, const std::string& prefix, Options opts);
+  ShmGroup(const ShmExchange& exchange, Options opts);
   ~ShmGroup();
 
   int rank() const { return rank_; }
