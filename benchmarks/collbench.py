@@ -292,6 +292,8 @@ BACKEND_VARIANTS = {
     "myccl-1sock": ("myccl", lambda: __import__("c10d_ext").Options(sockets_per_peer=1)),
     "myccl-flat-1sock": ("myccl", lambda: __import__("c10d_ext").Options(hierarchical=False, sockets_per_peer=1)),
     "myccl-2sock": ("myccl", lambda: __import__("c10d_ext").Options(sockets_per_peer=2)),
+    # float16/bfloat16 partial sums cross hosts in float32 (MYCCL_FLOAT32_PARTIALS=1)
+    "myccl-f32partials": ("myccl", lambda: __import__("c10d_ext").Options(float32_partials=True)),
     # results written with plain memcpy at every size (MYCCL_STREAM_STORE_BYTES=off)
     "myccl-nostream": ("myccl", lambda: __import__("c10d_ext").Options(stream_store_bytes=0)),
 }

@@ -117,6 +117,10 @@ VARS: list[Var] = [
     Var("MYCCL_HIERARCHICAL", "hierarchical", _bool,
         "groups spanning hosts: shared memory inside each host and one leader per host across "
         "hosts (1), or every rank over TCP (0)"),
+    Var("MYCCL_FLOAT32_PARTIALS", "float32_partials", _bool,
+        "groups spanning hosts, hierarchical: float16/bfloat16 all_reduce and reduce_scatter carry each "
+        "host's partial sums across hosts in float32, rounded once at the end (1), or rounded to their own "
+        "type first (0: half the bytes of the cross-host sums, one more rounding, still fewer than a ring's)"),
     Var("MYCCL_SPLIT_LINKS", "split_shares_links", _bool,
         "groups made by split_group (device meshes) carry their messages over the connections of the "
         "group they were split from, each on its own channel (1), or make connections of their own (0): "

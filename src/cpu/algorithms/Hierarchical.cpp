@@ -26,8 +26,11 @@ constexpr size_t kStripeMinBytes = 256 * 1024;
 // From this size a broadcast across hosts is pipelined in chunks.
 constexpr size_t kPipelineMinBytes = 1024 * 1024;
 
-bool lowPrecision(DType dt) {
-  return dt == DType::F16 || dt == DType::BF16;
+// Whether a two-level sum of this type carries float32 partials (MYCCL_FLOAT32_PARTIALS). Else
+// each level rounds to the type: across hosts the partials are half the bytes, which is what a
+// link-bound job needs, for one rounding more than a single fold (a ring rounds at every step).
+bool widePartials(const CollCtx& c, DType dt) {
+  return c.float32Partials && (dt == DType::F16 || dt == DType::BF16);
 }
 
 struct Levels {
@@ -159,12 +162,12 @@ namespace {
 // host, then reduces it with the ranks holding slice i on the other hosts (every rank's link
 // busy, each carrying 1/local_size of the bytes), then the slices are gathered locally. One
 // leader carrying everything serialises the cross-host phase on one thread and one link.
-// Sums are kept in float32 for low-precision types up to the final rounding, which happens
-// once, before the final values travel (so they cross hosts at their own width once).
+// With float32 partials (widePartials), sums of low-precision types stay in float32 up to the
+// final rounding, which happens once, before the final values travel.
 void stripedAllreduce(CollCtx& c, Levels& L, const std::vector<int>& peers, void* buf, size_t count,
                       const ReduceSpec& spec) {
   const int nl = static_cast<int>(L.local.size()), me = L.localIdx;
-  const bool wide = lowPrecision(spec.dtype);
+  const bool wide = widePartials(c, spec.dtype);
   const DType sumType = wide ? DType::F32 : spec.dtype;
   const size_t es = dtypeSize(spec.dtype), ses = dtypeSize(sumType);
   const char* src = static_cast<const char*>(buf);
@@ -217,7 +220,7 @@ void stripedAllreduce(CollCtx& c, Levels& L, const std::vector<int>& peers, void
 
 // Small all_reduces: reduce to one leader per host, all-reduce among leaders, broadcast locally.
 void leaderAllreduce(CollCtx& c, Levels& L, void* buf, size_t count, const ReduceSpec& spec) {
-  if (lowPrecision(spec.dtype)) {
+  if (widePartials(c, spec.dtype)) {
     // Two levels would round twice: carry float32 through both and round once at the end.
     float* wide = static_cast<float*>(c.scratch.get(kSlotWide, std::max<size_t>(count, 1) * sizeof(float)));
     toFloat32(spec.dtype, buf, wide, count);
@@ -421,7 +424,7 @@ void stripedReduceScatterv(CollCtx& c, Levels& L, const std::vector<std::vector<
 void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec) {
   const Topology& t = *c.topo;
   const int n = t.size;
-  if (lowPrecision(spec.dtype)) {
+  if (widePartials(c, spec.dtype)) {
     size_t total = 0;
     for (int r = 0; r < n; ++r) total += counts[r];
     float* wide = static_cast<float*>(c.scratch.get(kSlotWide, std::max<size_t>(total + counts[t.rank], 1) * sizeof(float)));

@@ -53,6 +53,9 @@ struct CollCtx {
   const Topology* topo = nullptr;        // the whole group's hosts (hierarchical algorithms)
   const std::vector<int>* members = nullptr;  // position -> group rank; null: the whole group
   bool hierarchical = true;                   // two-level algorithms allowed across hosts
+  // Two-level sums of float16/bfloat16 carry their partials across hosts in float32 (one rounding,
+  // twice the bytes) rather than in their own type (MYCCL_FLOAT32_PARTIALS).
+  bool float32Partials = false;
   Parallel* par = nullptr;                    // helper threads (MYCCL_NUM_THREADS > 1)
   size_t streamMinBytes = SIZE_MAX;           // results this large: streaming stores (copyOut)
   const char* algo = "none";  // set by the algorithm that ran (stats, traces)
