@@ -194,6 +194,18 @@ def body_split_shares_links(ctx):
     _check_group(rep, None, list(range(n)), "parent after the split was destroyed")
     again = _split(split_ranks=halves)
     _check_group(rep, again, mine, "a second split on the same links", seed=3)
+    # one side leaves it; the other, still receiving from it there, is told at once
+    if mine.index(r) == 0:
+        dist.destroy_process_group(again)
+    else:
+        try:
+            dist.recv(torch.empty(3), src=peer_in_sub, group=again)
+            rep.fail("a receive from a rank that left the split completed")
+        except RuntimeError as e:
+            rep.check(f"rank {mine.index(peer_in_sub)} of group" in str(e) and "left it" in str(e),
+                      f"told that the peer left: {e}")
+        dist.destroy_process_group(again)
+    _check_group(rep, None, list(range(n)), "parent after the second split was destroyed", seed=4)
     return rep.result()
 
 

@@ -17,7 +17,7 @@ const char* opCodeName(OpCode code) {
     case OpCode::MonitoredBarrier: return "monitored_barrier";
     case OpCode::Window: return "window";
     case OpCode::Fingerprint: return "fingerprint check of";
-    case OpCode::ChannelClose: return "failure notice of";
+    case OpCode::ChannelClose: return "closing notice of";
     case OpCode::Setup: return "setup of";
   }
   return "op";

@@ -137,9 +137,13 @@ struct ChannelTransport::State {
     if (view) view->notifyPeerFailed(peer, why);
   }
 
-  // A peer's group failed and said so: what waits for it here and has not started moving fails now.
-  void noticeFrom(int peer, const std::string& text) {
-    const std::string why = "rank " + std::to_string(peer) + " of group '" + group + "' failed and left it: " + text;
+  // A peer closed its side of the group and said so (first byte: 'F' failed, 'L' left orderly):
+  // what waits for it here and has not started moving fails now, as it would on its own links.
+  void noticeFrom(int peer, const std::string& notice) {
+    const bool failed = notice.empty() || notice[0] != 'L';
+    const std::string text = notice.empty() ? notice : notice.substr(1);
+    const std::string why = "rank " + std::to_string(peer) + " of group '" + group + "' " +
+                            (failed ? "failed and left it: " : "left it: ") + text;
     std::vector<Live> theirs;
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -150,13 +154,14 @@ struct ChannelTransport::State {
     }
     for (auto& e : theirs)
       if (withdraw(e)) e.mine->fail(CommErrorKind::PeerGone, why, peer);
-    notifyView(peer, why);
+    if (failed) notifyView(peer, why);
   }
 
-  void sendNotices(const std::string& reason) {
+  void sendNotices(const std::string& reason, bool failure) {
     auto text = std::make_shared<std::array<char, kNoteBytes>>();
     text->fill(0);
-    std::memcpy(text->data(), reason.data(), std::min(reason.size(), kNoteBytes - 1));
+    (*text)[0] = failure ? 'F' : 'L';
+    std::memcpy(text->data() + 1, reason.data(), std::min(reason.size(), kNoteBytes - 2));
     for (int p = 0; p < static_cast<int>(members.size()); ++p) {
       if (p == rank) continue;
       base().isend(members[p], noteTag(), text->data(), kNoteBytes)->onDone([text] {});
@@ -277,7 +282,7 @@ void ChannelTransport::close(const std::string& reason, bool failure) {
       inFlight.push_back(e);
     }
   }
-  if (failure) s.sendNotices(reason);
+  s.sendNotices(reason, failure);  // peers still waiting for this rank fail at once, with its reason
   const Deadline deadline = Clock::now() + s.grace;
   bool stuck = false;
   for (auto& e : inFlight) {

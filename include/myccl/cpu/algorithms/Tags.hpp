@@ -18,7 +18,7 @@ namespace myccl::cpu {
 enum class OpCode : uint8_t {
   Broadcast = 1, Allreduce, Reduce, Allgather, Gather, Scatter, ReduceScatter, Alltoall, Barrier,
   Setup = 0x7a,             // a group's setup over links it already has (a split's shared memory)
-  ChannelClose = 0x7b,      // a group on shared links tells its peers it failed (ChannelTransport)
+  ChannelClose = 0x7b,      // a group on shared links tells its peers it closed (ChannelTransport)
   Window = 0x7c,            // one-sided windows' puts and signals (seq: the group's window number)
   MonitoredBarrier = 0x7d,  // numbered apart from the ops (Backend::monitoredBarrier)
   Fingerprint = 0x7e,       // MYCCL_DEBUG=DETAIL's cross-rank check before an op

@@ -1,7 +1,8 @@
 // Links shared by a group and the groups split from it (torch's split_group): one TCP mesh, each
 // group on its own channel of the message tag (Tags.hpp), so a split costs no listener, no
-// connection and no secret. A group on a channel sees its own ranks and tags only; when it fails it
-// withdraws what it has posted and tells its peers, and the other groups' traffic goes on.
+// connection and no secret. A group on a channel sees its own ranks and tags only; when it closes
+// (it failed, or it was destroyed) it withdraws what it has posted and tells its peers, and the
+// other groups' traffic goes on.
 #pragma once
 
 #include <array>
