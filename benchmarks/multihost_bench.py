@@ -133,6 +133,12 @@ def main() -> None:
     rest = rest or ["--max-size", "64M", "--check"]
     suffix = f"_{args.link_rate}" if args.link_rate else ""
     out = os.path.join(ROOT, "bench_out", f"collbench_cpu_{args.hosts}hosts{suffix}.json")
+    # an --out among collbench's arguments wins there (the last one counts): read the table from it
+    for i, a in enumerate(rest):
+        if a == "--out" and i + 1 < len(rest):
+            out = rest[i + 1]
+        elif a.startswith("--out="):
+            out = a.split("=", 1)[1]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     env.pop("MYCCL_SOCKET_IFNAME", None)
     port = 29300 + os.getpid() % 500

@@ -77,7 +77,7 @@ c10::intrusive_ptr<c10d::Backend> MycclBackend::split(const c10::intrusive_ptr<c
   const std::string name = opts && !opts->group_name.empty() ? opts->group_name : group_ + ":split";
   CpuMaker makeCpu;
   if (source.links) {
-    // Its shared memory, if any, meets in the store torch gives the new group (its name's own key space).
+    // No store round trip: its shared memory, if any, meets over the parent's links (splitGroupLinks).
     makeCpu = [&](std::shared_ptr<Recorder> recorder) {
       auto links = cpu::splitGroupLinks(*store, source, ranks, myIndex, timeout, name, cfg_);
       return std::make_unique<cpu::CpuEngine>(store, std::move(links), name, cfg_, std::move(recorder));
