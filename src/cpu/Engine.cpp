@@ -256,8 +256,7 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
          << (viaShm ? std::string("shared memory") : transport_->describePeer(ce->peer())) << ")";
     }
     os << "; that rank has not reached this op (it may be stuck, dead, or calling something else)";
-    auto stray = transport_->unmatched();
-    std::erase_if(stray, [](const auto& m) { return tagChannel(m.second) != 0; });  // split groups' own
+    auto stray = unmatched();
     if (!stray.empty()) {
       os << ". Unmatched messages:";
       size_t shown = 0;
@@ -290,13 +289,20 @@ std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bo
   return os.str();
 }
 
+// This group's messages that no receive has taken. Links lent to split groups also hold theirs,
+// on other channels (a group on a channel sees only its own, as channel 0).
+std::vector<std::pair<int, uint64_t>> CpuEngine::unmatched() const {
+  auto out = transport_->unmatched();
+  std::erase_if(out, [](const auto& m) { return tagChannel(m.second) != 0; });
+  return out;
+}
+
 // A collective message of an earlier op that nobody received means the ranks disagreed about
 // that op (e.g. different roots: both "roots" sent, nobody listened). Fail now instead of
 // letting later ops run on a desynchronised group.
 void CpuEngine::checkStrays(uint64_t seq) {
-  for (auto& [peer, tag] : transport_->unmatched()) {
+  for (auto& [peer, tag] : unmatched()) {
     if (!isCollectiveTag(tag)) continue;  // point-to-point messages may legitimately wait
-    if (tagChannel(tag) != 0) continue;  // a group split from this one, on the same links
     if (tagOpCode(tag) == OpCode::MonitoredBarrier) continue;  // numbered apart from the ops
     if (!seqBefore(tagSeq(tag), seq & kSeqMask)) continue;  // a peer simply ahead of us
     throw CommError(CommErrorKind::Protocol,

@@ -133,6 +133,7 @@ class CpuEngine final : public Engine {
   void runOp(Op& op);
   const char* transportName() const;
   void checkFingerprint(CollCtx& ctx, const Op& op);
+  std::vector<std::pair<int, uint64_t>> unmatched() const;
   void checkStrays(uint64_t seq);
   void failGroup(const std::string& why, bool timeout);
   std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
