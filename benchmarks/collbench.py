@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-OPS = ["all_reduce", "all_reduce_bf16", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
+OPS = ["all_reduce", "all_reduce_bf16", "all_reduce_i32", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
        "gather", "scatter", "send_recv", "ping_pong", "barrier"]
 
 
@@ -124,7 +124,8 @@ class Case:
     def __init__(self, op: str, nbytes: int, rank: int, n: int, device: torch.device, alloc=None):
         self.op, self.rank, self.n = op, rank, n
         self.group = None  # the process group the op runs on (None: the default group)
-        dtype = torch.bfloat16 if op.endswith("bf16") else torch.float32
+        # int32: the order of a sum cannot change it, so algorithms that fold in other orders may run
+        dtype = {"bf16": torch.bfloat16, "i32": torch.int32}.get(op.rsplit("_", 1)[-1], torch.float32)
         es = torch.tensor([], dtype=dtype).element_size()
         new = alloc or (lambda numel, dt: torch.empty(numel, dtype=dt, device=device))
         # "size" follows nccl-tests: the buffer for all_reduce/broadcast/reduce/send, the full
@@ -294,6 +295,9 @@ BACKEND_VARIANTS = {
     "myccl-2sock": ("myccl", lambda: __import__("c10d_ext").Options(sockets_per_peer=2)),
     # float16/bfloat16 partial sums cross hosts in float32 (MYCCL_FLOAT32_PARTIALS=1)
     "myccl-f32partials": ("myccl", lambda: __import__("c10d_ext").Options(float32_partials=True)),
+    # across hosts, large all-gathers go directly from every rank to every other (MYCCL_CROSS_HOST_RING=0)
+    "myccl-noring": ("myccl", lambda: __import__("c10d_ext").Options(cross_host_ring=False)),
+    "myccl-flat-noring": ("myccl", lambda: __import__("c10d_ext").Options(hierarchical=False, cross_host_ring=False)),
     # results written with plain memcpy at every size (MYCCL_STREAM_STORE_BYTES=off)
     "myccl-nostream": ("myccl", lambda: __import__("c10d_ext").Options(stream_store_bytes=0)),
 }

@@ -38,6 +38,7 @@ import netns  # noqa: E402
 LINK_BYTES = {
     "all_reduce": lambda h, l: 2 * (h - 1) / h,
     "all_reduce_bf16": lambda h, l: 2 * (h - 1) / h,
+    "all_reduce_i32": lambda h, l: 2 * (h - 1) / h,
     "broadcast": lambda h, l: 1.0,
     "reduce": lambda h, l: 1.0,
     "send_recv": lambda h, l: 1.0 if l == 1 else None,  # ranks 0 and 1 are on one host when l > 1

@@ -121,6 +121,10 @@ VARS: list[Var] = [
         "groups spanning hosts, hierarchical: float16/bfloat16 all_reduce and reduce_scatter carry each "
         "host's partial sums across hosts in float32, rounded once at the end (1), or rounded to their own "
         "type first (0: half the bytes of the cross-host sums, one more rounding, still fewer than a ring's)"),
+    Var("MYCCL_CROSS_HOST_RING", "cross_host_ring", _bool,
+        "groups spanning hosts: large all_gathers (and the all-gather half of all_reduce) go around a ring "
+        "of ranks, each sending only to the next, so that each link carries one stream each way (1), or "
+        "every rank sends to every other at once (0)"),
     Var("MYCCL_SPLIT_LINKS", "split_shares_links", _bool,
         "groups made by split_group (device meshes) carry their messages over the connections of the "
         "group they were split from, each on its own channel (1), or make connections of their own (0): "

@@ -143,6 +143,10 @@ def check_ops(fails: list[str]) -> int:
     if os.environ.get("MYCCL_HIERARCHICAL", "1") == "0":
         # flat across hosts: large broadcasts go down a chain (each host's link carries them once)
         check("broadcast/tcp-pipelined-chain" in st, f"chained broadcast never ran: {sorted(st)}")
+        # large all-gathers across hosts go around a ring (each rank sends only to the next)
+        check("all_reduce/tcp-direct-reduce-scatter-ring-all-gather" in st, f"ring all-gather never ran: {sorted(st)}")
+        for op in ("all_gather", "all_gather_into_tensor"):
+            check(f"{op}/tcp-ring" in st, f"ring {op} never ran: {sorted(st)}")
     else:
         # small all_reduces through one leader per host, large ones striped across local ranks
         check("all_reduce/hierarchical-shm-tcp" in st, f"hierarchical all_reduce never ran: {sorted(st)}")

@@ -215,6 +215,8 @@ void CpuEngine::runOp(Op& op) {
               Clock::now() + info.timeout, *scratch_,
               static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get(), &topo_};
   ctx.hierarchical = cfg_.hierarchical;
+  ctx.crossHost = topo_.crossSize > 1;
+  ctx.crossHostRing = cfg_.crossHostRing;
   ctx.float32Partials = cfg_.float32Partials;
   ctx.par = par_.get();
   ctx.streamMinBytes = streamMinBytes_;

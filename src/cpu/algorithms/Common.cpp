@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "myccl/Topology.hpp"
 #include "myccl/cpu/Copy.hpp"
 #include "myccl/cpu/Parallel.hpp"
 #include "myccl/cpu/Reduce.hpp"
@@ -38,6 +39,20 @@ void* Scratch::get(int slot, size_t nbytes) {
 void Scratch::release() {
   for (auto& b : bufs_) std::free(b.ptr);
   bufs_.clear();
+}
+
+CollCtx CollCtx::sub(const std::vector<int>& m, int myIdx) const {
+  CollCtx c = *this;
+  c.members = &m;
+  c.rank = myIdx;
+  c.size = static_cast<int>(m.size());
+  c.shm = nullptr;
+  if (topo) {
+    c.crossHost = false;
+    for (int r : m) c.crossHost = c.crossHost || !topo->sameHost(r, m[myIdx]);
+  }
+  c.topo = nullptr;
+  return c;
 }
 
 namespace {

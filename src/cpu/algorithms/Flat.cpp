@@ -21,6 +21,7 @@ namespace {
 constexpr uint32_t kStepData = 1;
 constexpr uint32_t kStepGather = 2;
 constexpr uint32_t kStepRoot = 3;
+constexpr uint32_t kStepReady = 4;  // an empty message: "my receives for this op are posted"
 constexpr uint32_t kStepRounds = 16;  // + round number, for algorithms with log2(n) rounds
 // Reductions below this many bytes gather whole buffers instead of slicing them.
 constexpr size_t kSmallReduceBytes = 32 * 1024;
@@ -34,6 +35,8 @@ constexpr size_t kSmallGatherBytes = 64 * 1024;
 constexpr size_t kRhdMaxBytes = 1u << 20;
 // Broadcasts and reduces at least this large across hosts go down a pipelined chain.
 constexpr size_t kChainMinBytes = 1u << 20;
+// All-gathers across hosts from this many bytes per rank go around a ring.
+constexpr size_t kRingGatherMinBytes = 256 * 1024;
 
 size_t segmentElems(const CollCtx& c, size_t esize) {
   return std::max<size_t>(1, c.chunkBytes / esize);
@@ -87,6 +90,42 @@ void reduceSliceFromPeers(CollCtx& c, const void* own, void* out, size_t count, 
     reduceInto(spec, static_cast<char*>(out) + off * esize, ins.data(), n, m);
     if (s + 2 < nseg) post(s + 2);
   }
+}
+
+// Whether a large all-gather goes around a ring (ringAllgather): across hosts, at least 3 ranks,
+// `perRank` bytes or more from each (the same on every rank).
+bool ringGather(const CollCtx& c, size_t perRank) {
+  return c.crossHostRing && c.crossHost && c.size >= 3 && perRank >= kRingGatherMinBytes;
+}
+
+// Ring all-gather: in step s every rank passes the block it got in step s - 1 (its own first) to
+// the next rank, so each rank only ever sends to one neighbour and receives from the other. On
+// links that bind, that fixed pairing is what keeps every link full: sending to all at once (or to
+// each peer in turn) has several senders meet on one receiver's link while another's idles, and a
+// host's link then carries 0.77-0.87 of its rate where the ring carries 0.93-0.98 (docs/NOTES.md).
+// Every receive lands in its final place, so all are posted first and the left neighbour hears
+// it once (an empty message); the sends then need no announcement answered (isendPosted), a round
+// trip that on a full link queues behind the data, once per step. outs[me] holds this rank's
+// block already.
+void ringAllgather(CollCtx& c, void* const* outs, const size_t* nbytes, uint32_t step) {
+  const int n = c.size, me = c.rank;
+  const int right = (me + 1) % n, left = (me - 1 + n) % n;
+  std::vector<RequestPtr> recvs, sends;
+  for (int s = 0; s < n - 1; ++s) {
+    const int blk = (me - s - 1 + n) % n;
+    recvs.push_back(c.irecv(left, c.tag(step), outs[blk], nbytes[blk]));
+  }
+  auto ready = c.irecv(right, c.tag(kStepReady), nullptr, 0);
+  auto told = c.isend(left, c.tag(kStepReady), nullptr, 0);
+  ready->wait(c.deadline);
+  for (int s = 0; s < n - 1; ++s) {
+    const int blk = (me - s + n) % n;
+    if (s > 0) recvs[s - 1]->wait(c.deadline);
+    sends.push_back(c.isendPosted(right, c.tag(step), outs[blk], nbytes[blk]));
+  }
+  recvs.push_back(told);
+  waitAll(recvs, c.deadline);
+  waitAll(sends, c.deadline);
 }
 
 // One blocking step under one tag: receive inBytes from `from` while sending outBytes to `to`;
@@ -364,16 +403,26 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   partition(count, n, offs, cnts);
   char* base = static_cast<char*>(buf);
   const size_t seg = segmentElems(c, esize);
+  char* mine = base + offs[c.rank] * esize;
   // Reduce-scatter: slice q of my buffer goes to q; I reduce my slice in place.
   std::vector<RequestPtr> sends;
   for (int q = 0; q < n; ++q) {
     if (q == c.rank) continue;
     sendSegmented(c, sends, q, kStepData, base + offs[q] * esize, cnts[q], esize, seg);
   }
-  char* mine = base + offs[c.rank] * esize;
   reduceSliceFromPeers(c, mine, mine, cnts[c.rank], spec, kStepData);
   waitAll(sends, c.deadline);  // my copies of other slices may now be overwritten
   // All-gather the reduced slices.
+  if (ringGather(c, nbytes / n)) {
+    c.algo = "tcp-direct-reduce-scatter-ring-all-gather";
+    std::vector<void*> outs(n);
+    std::vector<size_t> bytes(n);
+    for (int q = 0; q < n; ++q) {
+      outs[q] = base + offs[q] * esize;
+      bytes[q] = cnts[q] * esize;
+    }
+    return ringAllgather(c, outs.data(), bytes.data(), kStepGather);
+  }
   std::vector<RequestPtr> reqs;
   for (int q = 0; q < n; ++q) {
     if (q == c.rank) continue;
@@ -504,6 +553,11 @@ void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nby
       if (nbytes[q] && outs[q] != src) std::memcpy(outs[q], src, nbytes[q]);
     }
     return;
+  }
+  if (ringGather(c, total / c.size)) {
+    c.algo = "tcp-ring";
+    if (outs[c.rank] != in && nbytes[c.rank] > 0) std::memcpy(outs[c.rank], in, nbytes[c.rank]);
+    return ringAllgather(c, outs, nbytes, kStepData);
   }
   std::vector<RequestPtr> reqs;
   for (int q = 0; q < c.size; ++q) {

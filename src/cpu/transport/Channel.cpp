@@ -223,15 +223,26 @@ const char* ChannelTransport::name() const {
   return st_->base().name();
 }
 
-RequestPtr ChannelTransport::isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check) {
+RequestPtr ChannelTransport::send(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check,
+                                  bool posted) {
   auto mine = std::make_shared<Request>(peer, tag, nbytes);
   const auto& s = *st_;
   if (peer < 0 || peer >= static_cast<int>(s.members.size())) {
     mine->fail(CommErrorKind::Local, "send to rank " + std::to_string(peer) + ", which is not in the group", peer);
     return mine;
   }
-  return State::post(st_, mine, true, peer,
-                     [&] { return s.base().isend(s.members[peer], s.wire(tag), data, nbytes, check); });
+  return State::post(st_, mine, true, peer, [&] {
+    return posted ? s.base().isendPosted(s.members[peer], s.wire(tag), data, nbytes, check)
+                  : s.base().isend(s.members[peer], s.wire(tag), data, nbytes, check);
+  });
+}
+
+RequestPtr ChannelTransport::isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check) {
+  return send(peer, tag, data, nbytes, check, false);
+}
+
+RequestPtr ChannelTransport::isendPosted(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check) {
+  return send(peer, tag, data, nbytes, check, true);
 }
 
 RequestPtr ChannelTransport::irecv(int peer, uint64_t tag, void* data, size_t nbytes, uint32_t check) {

@@ -11,7 +11,7 @@ namespace myccl::cpu {
 
 using namespace tcp;
 
-RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check) {
+RequestPtr TcpTransport::send(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check, bool posted) {
   auto req = std::make_shared<Request>(peer, tag, nbytes);
   std::vector<std::function<void()>> done;
   // A local message that fits a free shared-memory slot is copied there now, outside the lock
@@ -38,7 +38,9 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
       item->hdr.id = static_cast<uint64_t>(slot);
       item->req = req;
       req->setVia("mailbox");
-    } else if (static_cast<int64_t>(nbytes) <= p.eagerBytes) {
+    } else if (static_cast<int64_t>(nbytes) <= p.eagerBytes || (posted && !p.direct)) {
+      // Small, or a receive is waiting for it (a peer on this host copies it straight out of our
+      // memory instead, announced): the bytes follow the header at once.
       item->hdr.magicKind = kMagic << 8 | kEager;
       item->data = static_cast<const char*>(data);
       item->nbytes = nbytes;

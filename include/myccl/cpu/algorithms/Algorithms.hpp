@@ -53,6 +53,10 @@ struct CollCtx {
   const Topology* topo = nullptr;        // the whole group's hosts (hierarchical algorithms)
   const std::vector<int>* members = nullptr;  // position -> group rank; null: the whole group
   bool hierarchical = true;                   // two-level algorithms allowed across hosts
+  // Whether this context's ranks are on several hosts: its messages cross network links, where
+  // a fixed pairing of senders and receivers is what keeps every link full (Flat.cpp, ring).
+  bool crossHost = false;
+  bool crossHostRing = true;  // MYCCL_CROSS_HOST_RING: large all-gathers there may use the ring
   // Two-level sums of float16/bfloat16 carry their partials across hosts in float32 (one rounding,
   // twice the bytes) rather than in their own type (MYCCL_FLOAT32_PARTIALS).
   bool float32Partials = false;
@@ -68,19 +72,15 @@ struct CollCtx {
   RequestPtr isend(int peer, uint64_t t, const void* data, size_t n) {
     return tp.isend(groupRank(peer), t, data, n, agreement);
   }
+  RequestPtr isendPosted(int peer, uint64_t t, const void* data, size_t n) {
+    return tp.isendPosted(groupRank(peer), t, data, n, agreement);
+  }
   RequestPtr irecv(int peer, uint64_t t, void* data, size_t n) {
     return tp.irecv(groupRank(peer), t, data, n, agreement);
   }
   // The same op restricted to `m` (group ranks, containing this rank), over the transport.
-  CollCtx sub(const std::vector<int>& m, int myIdx) const {
-    CollCtx c = *this;
-    c.members = &m;
-    c.rank = myIdx;
-    c.size = static_cast<int>(m.size());
-    c.shm = nullptr;
-    c.topo = nullptr;
-    return c;
-  }
+  // crossHost then says whether `m` spans hosts.
+  CollCtx sub(const std::vector<int>& m, int myIdx) const;
 };
 
 // Copies and reductions of large buffers, split across the group's helper threads if any.

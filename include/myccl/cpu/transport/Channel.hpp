@@ -51,6 +51,7 @@ class ChannelTransport final : public Transport {
 
   const char* name() const override;
   RequestPtr isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check = 0) override;
+  RequestPtr isendPosted(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check = 0) override;
   RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes, uint32_t check = 0) override;
   RequestPtr irecvAny(const std::vector<int>& peers, uint64_t tag, void* data, size_t nbytes) override;
   void close(const std::string& reason, bool failure = false) override;
@@ -63,6 +64,7 @@ class ChannelTransport final : public Transport {
   struct State;  // shared with the callbacks of the requests posted on the links
 
  private:
+  RequestPtr send(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check, bool posted);
   std::shared_ptr<State> st_;
 };
 

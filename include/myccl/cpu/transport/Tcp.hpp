@@ -57,7 +57,12 @@ class TcpTransport final : public Transport {
   ~TcpTransport() override;
 
   const char* name() const override { return "tcp"; }
-  RequestPtr isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check = 0) override;
+  RequestPtr isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check = 0) override {
+    return send(peer, tag, data, nbytes, check, false);
+  }
+  RequestPtr isendPosted(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check = 0) override {
+    return send(peer, tag, data, nbytes, check, true);
+  }
   RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes, uint32_t check = 0) override;
   RequestPtr irecvAny(const std::vector<int>& peers, uint64_t tag, void* data,
                       size_t nbytes) override;
@@ -80,6 +85,8 @@ class TcpTransport final : public Transport {
   struct Part;
   struct Lane;
 
+  // isend and isendPosted (`posted`: the receive is known to be posted; see Transport), Tcp.cpp.
+  RequestPtr send(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check, bool posted);
   // Setup (TcpMesh.cpp).
   void connectMesh(c10d::Store& store, const std::string& keyPrefix, const std::string& token);
   // Posting a receive, and a receive meeting its message whichever came first (Tcp.cpp).

@@ -78,6 +78,14 @@ class Transport {
   // travels with the message; a receive posted with a different non-zero check fails instead
   // of accepting the bytes (ranks that disagree about an op's dtype or reduce op).
   virtual RequestPtr isend(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check = 0) = 0;
+  // A send whose receive the peer has said is posted (by a message of the algorithm's own): the
+  // bytes go at once, without the announcement a large message otherwise waits to have answered,
+  // a round trip that queues behind whatever already fills a busy link. Were the receive not
+  // posted after all, the message would wait for it like any other, held in memory.
+  // Transports that announce nothing send as isend does.
+  virtual RequestPtr isendPosted(int peer, uint64_t tag, const void* data, size_t nbytes, uint32_t check = 0) {
+    return isend(peer, tag, data, nbytes, check);
+  }
   // Messages between a pair with one tag arrive in the order they were sent. A message whose
   // size differs from the posted receive fails that receive (never truncates or overflows).
   virtual RequestPtr irecv(int peer, uint64_t tag, void* data, size_t nbytes, uint32_t check = 0) = 0;
