@@ -403,13 +403,13 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   partition(count, n, offs, cnts);
   char* base = static_cast<char*>(buf);
   const size_t seg = segmentElems(c, esize);
-  char* mine = base + offs[c.rank] * esize;
   // Reduce-scatter: slice q of my buffer goes to q; I reduce my slice in place.
   std::vector<RequestPtr> sends;
   for (int q = 0; q < n; ++q) {
     if (q == c.rank) continue;
     sendSegmented(c, sends, q, kStepData, base + offs[q] * esize, cnts[q], esize, seg);
   }
+  char* mine = base + offs[c.rank] * esize;
   reduceSliceFromPeers(c, mine, mine, cnts[c.rank], spec, kStepData);
   waitAll(sends, c.deadline);  // my copies of other slices may now be overwritten
   // All-gather the reduced slices.

@@ -4,7 +4,6 @@
 #include "Flat.hpp"
 #include "Hierarchical.hpp"
 #include "ShmAlgorithms.hpp"
-#include "myccl/Topology.hpp"
 #include "myccl/cpu/Reduce.hpp"
 
 namespace myccl::cpu {
@@ -17,8 +16,7 @@ enum class Family { Single, Shm, Hier, Flat };
 
 Family family(const CollCtx& c, bool hierarchicalVersion) {
   if (c.size == 1) return Family::Single;
-  const bool multiHost = c.topo && c.topo->crossSize > 1;
-  if (!multiHost) return c.shm ? Family::Shm : Family::Flat;
+  if (!c.crossHost) return c.shm ? Family::Shm : Family::Flat;
   return hierarchicalVersion && c.hierarchical && hier::applies(c) ? Family::Hier : Family::Flat;
 }
 
