@@ -194,10 +194,20 @@ def body_split_shares_links(ctx):
     _check_group(rep, None, list(range(n)), "parent after the split was destroyed")
     again = _split(split_ranks=halves)
     _check_group(rep, again, mine, "a second split on the same links", seed=3)
-    # one side leaves it; the other, still receiving from it there, is told at once
+    # one side sends, then leaves it. What it sent before leaving is still received after its
+    # notice has arrived; a receive that finds nothing is told at once that it left.
+    left = ctx.store("left")
     if mine.index(r) == 0:
+        dist.send(torch.full((3,), 7.0 + r), dst=peer_in_sub, group=again)
         dist.destroy_process_group(again)
+        left.set(str(r), "1")
     else:
+        left.wait([str(peer_in_sub)])
+        time.sleep(0.3)  # its notice is here before the receive is posted
+        early = torch.empty(3)
+        dist.recv(early, src=peer_in_sub, group=again)
+        rep.check(torch.equal(early, torch.full((3,), 7.0 + peer_in_sub)),
+                  f"a message sent before the peer left, received after its notice: {early}")
         try:
             dist.recv(torch.empty(3), src=peer_in_sub, group=again)
             rep.fail("a receive from a rank that left the split completed")

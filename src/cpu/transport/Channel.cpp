@@ -59,7 +59,8 @@ struct ChannelTransport::State {
   bool closed = false;
   std::string closeReason;
   std::unordered_map<const Request*, Live> live;  // posted on the links, not yet done
-  std::vector<std::string> gone;                  // by rank: why its group failed (a notice came)
+  std::vector<std::string> gone;                  // by rank: why it left the group (a notice came)
+  std::vector<char> goneFailed;                   // by rank: it left because it failed
   std::vector<std::array<char, kNoteBytes>> notes;
   std::vector<RequestPtr> noteRecvs;
 
@@ -83,8 +84,13 @@ struct ChannelTransport::State {
     return msg;
   }
 
-  // Posts on the links (`postBase`) unless the group is closed or `peer`'s group failed.
-  // Not under mu: the links may complete other requests of this group while posting.
+  // Posts on the links (`postBase`) unless the group is closed or `peer` has gone. One exception:
+  // a receive from a peer that left in order. What that peer sent before its notice came before it
+  // on one ordered stream, and its eager messages wait here whole: a receive that takes one
+  // completes as it posts. Anything else it finds (nothing, or an announcement the peer withdrew
+  // as it left) will never be answered, so it fails with the peer's notice. A notice that comes
+  // while this posts is treated the same way. Not under mu: the links may complete other requests
+  // of this group while posting.
   template <class Post>
   static RequestPtr post(const std::shared_ptr<State>& self, RequestPtr mine, bool send, int peer, Post&& postBase) {
     {
@@ -93,20 +99,30 @@ struct ChannelTransport::State {
         mine->fail(CommErrorKind::Aborted, self->closeReason, -1);
         return mine;
       }
-      if (peer >= 0 && !self->gone[peer].empty()) {
+      if (peer >= 0 && !self->gone[peer].empty() && (send || self->goneFailed[peer])) {
         mine->fail(CommErrorKind::PeerGone, self->gone[peer], peer);
         return mine;
       }
       ++self->posting;  // close() waits for it
     }
     RequestPtr base = postBase();
+    std::string gone;
     {
       std::lock_guard<std::mutex> lk(self->mu);
       self->live.emplace(mine.get(), Live{mine, base, send});
       --self->posting;
+      if (peer >= 0) gone = self->gone[peer];
     }
     self->posted.notify_all();
     base->onDone([self, mine, base] { self->finished(mine, base); });
+    if (!gone.empty() && !base->done()) {
+      if (!self->withdraw(Live{mine, base, send})) {
+        if (send) return mine;  // its bytes are leaving: it finishes on its own
+        std::lock_guard<std::mutex> lk(self->mu);
+        self->live.erase(mine.get());  // it took an announcement nobody will send: no byte comes
+      }
+      mine->fail(CommErrorKind::PeerGone, gone, peer);
+    }
     return mine;
   }
 
@@ -149,6 +165,7 @@ struct ChannelTransport::State {
       std::lock_guard<std::mutex> lk(mu);
       if (closed || !gone[peer].empty()) return;
       gone[peer] = why;
+      goneFailed[peer] = failed;
       for (auto& [k, e] : live)
         if (e.mine->peer() == peer) theirs.push_back(e);
     }
@@ -184,6 +201,7 @@ ChannelTransport::ChannelTransport(std::shared_ptr<SharedLinks> links, std::vect
   s.local.assign(linkSize, -1);
   for (int r = 0; r < size; ++r) s.local[s.members[r]] = r;
   s.gone.resize(size);
+  s.goneFailed.assign(size, 0);
   s.notes.resize(size);
   s.view = this;
   s.links->hold();
