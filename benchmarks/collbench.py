@@ -298,6 +298,8 @@ BACKEND_VARIANTS = {
     # across hosts, large all-gathers go directly from every rank to every other (MYCCL_CROSS_HOST_RING=0)
     "myccl-noring": ("myccl", lambda: __import__("c10d_ext").Options(cross_host_ring=False)),
     "myccl-flat-noring": ("myccl", lambda: __import__("c10d_ext").Options(hierarchical=False, cross_host_ring=False)),
+    # across hosts, large float sums may go around the ring, not folded in rank order (MYCCL_ORDERED_SUMS=0)
+    "myccl-unordered": ("myccl", lambda: __import__("c10d_ext").Options(ordered_sums=False)),
     # results written with plain memcpy at every size (MYCCL_STREAM_STORE_BYTES=off)
     "myccl-nostream": ("myccl", lambda: __import__("c10d_ext").Options(stream_store_bytes=0)),
 }

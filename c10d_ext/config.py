@@ -125,6 +125,11 @@ VARS: list[Var] = [
         "groups spanning hosts: large all_gathers (and the all-gather half of all_reduce) go around a ring "
         "of ranks, each sending only to the next, so that each link carries one stream each way (1), or "
         "every rank sends to every other at once (0)"),
+    Var("MYCCL_ORDERED_SUMS", "ordered_sums", _bool,
+        "floating-point all_reduce and reduce_scatter fold the ranks' values in rank order, the same bits "
+        "whatever the algorithm and layout of the group (1), or, across hosts, large ones may go around the "
+        "ring of MYCCL_CROSS_HOST_RING, folding each slice starting at another rank: every rank still gets the "
+        "same bits, but not those of a rank-order sum, and float16/bfloat16 partials round at every hop (0)"),
     Var("MYCCL_SPLIT_LINKS", "split_shares_links", _bool,
         "groups made by split_group (device meshes) carry their messages over the connections of the "
         "group they were split from, each on its own channel (1), or make connections of their own (0): "

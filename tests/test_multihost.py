@@ -124,6 +124,13 @@ def test_flat_tcp_across_hosts():
     _assert_ok(results)
 
 
+def test_unordered_sums_around_a_ring_across_hosts():
+    # three hosts of one rank: the ring with an odd rank count and uneven slices, float sums on it
+    with netns.Hosts(3) as hosts:
+        results, _, _ = launch(hosts, 1, "ops", {"MYCCL_HIERARCHICAL": "0", "MYCCL_ORDERED_SUMS": "0"})
+    _assert_ok(results)
+
+
 def test_delay_and_loss_on_a_link():
     with netns.Hosts(2) as hosts:
         applied = hosts.impair(1)

@@ -19,6 +19,7 @@
   X(bool, splitSharesLinks, "split_shares_links", true)   /* MYCCL_SPLIT_LINKS */                \
   X(bool, float32Partials, "float32_partials", false)     /* MYCCL_FLOAT32_PARTIALS */           \
   X(bool, crossHostRing, "cross_host_ring", true)         /* MYCCL_CROSS_HOST_RING */            \
+  X(bool, orderedSums, "ordered_sums", true)              /* MYCCL_ORDERED_SUMS */               \
   X(int, numThreads, "num_threads", 1)                    /* MYCCL_NUM_THREADS */                \
   X(bool, debugDetail, "debug_detail", false)             /* MYCCL_DEBUG=DETAIL */               \
   X(int64_t, tcpEagerBytes, "tcp_eager_bytes", 64 * 1024) /* MYCCL_TCP_EAGER_BYTES */            \

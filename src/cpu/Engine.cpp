@@ -217,6 +217,7 @@ void CpuEngine::runOp(Op& op) {
   ctx.hierarchical = cfg_.hierarchical;
   ctx.crossHost = topo_.crossSize > 1;
   ctx.crossHostRing = cfg_.crossHostRing;
+  ctx.orderedSums = cfg_.orderedSums;
   ctx.float32Partials = cfg_.float32Partials;
   ctx.par = par_.get();
   ctx.streamMinBytes = streamMinBytes_;

@@ -22,6 +22,7 @@ constexpr uint32_t kStepData = 1;
 constexpr uint32_t kStepGather = 2;
 constexpr uint32_t kStepRoot = 3;
 constexpr uint32_t kStepReady = 4;  // an empty message: "my receives for this op are posted"
+constexpr uint32_t kStepReadyData = 5;  // the same, for a ring's first half (ringReduceScatter)
 constexpr uint32_t kStepRounds = 16;  // + round number, for algorithms with log2(n) rounds
 // Reductions below this many bytes gather whole buffers instead of slicing them.
 constexpr size_t kSmallReduceBytes = 32 * 1024;
@@ -92,6 +93,24 @@ void reduceSliceFromPeers(CollCtx& c, const void* own, void* out, size_t count, 
   }
 }
 
+// A ring's messages are cut in segments of this many bytes at most (MYCCL_TCP_CHUNK_BYTES if
+// smaller): a rank passes a segment on (folded, for a reduction) as soon as it is in, so the next
+// link is busy while the rest of the block still arrives, and the folds overlap the transfers.
+constexpr size_t kRingSegmentBytes = 1u << 20;
+
+// Segment size in bytes, a whole number of `esize`-byte elements.
+size_t ringSegmentBytes(const CollCtx& c, size_t esize) {
+  return std::max<size_t>(1, std::min<size_t>(c.chunkBytes, kRingSegmentBytes) / esize) * esize;
+}
+
+// Calls f(offset, length) for each segment of `nbytes` (one empty segment when nbytes is 0); both
+// sides of a ring step compute the same cuts.
+template <class F>
+void forSegments(size_t nbytes, size_t seg, F&& f) {
+  if (nbytes == 0) return f(size_t{0}, size_t{0});
+  for (size_t off = 0; off < nbytes; off += seg) f(off, std::min(seg, nbytes - off));
+}
+
 // Whether a large all-gather goes around a ring (ringAllgather): across hosts, at least 3 ranks,
 // `perRank` bytes or more from each (the same on every rank).
 bool ringGather(const CollCtx& c, size_t perRank) {
@@ -109,22 +128,31 @@ bool ringGather(const CollCtx& c, size_t perRank) {
 // block already.
 void ringAllgather(CollCtx& c, void* const* outs, const size_t* nbytes, uint32_t step) {
   const int n = c.size, me = c.rank;
+  if (n == 1) return;
   const int right = (me + 1) % n, left = (me - 1 + n) % n;
-  std::vector<RequestPtr> recvs, sends;
+  const size_t seg = ringSegmentBytes(c, 1);
+  // recvs[s]: the segments of the block that arrives in step s, the one passed on in step s + 1
+  std::vector<std::vector<RequestPtr>> recvs(n - 1);
   for (int s = 0; s < n - 1; ++s) {
     const int blk = (me - s - 1 + n) % n;
-    recvs.push_back(c.irecv(left, c.tag(step), outs[blk], nbytes[blk]));
+    forSegments(nbytes[blk], seg, [&](size_t off, size_t len) {
+      recvs[s].push_back(c.irecv(left, c.tag(step), static_cast<char*>(outs[blk]) + off, len));
+    });
   }
   auto ready = c.irecv(right, c.tag(kStepReady), nullptr, 0);
   auto told = c.isend(left, c.tag(kStepReady), nullptr, 0);
   ready->wait(c.deadline);
+  std::vector<RequestPtr> sends;
   for (int s = 0; s < n - 1; ++s) {
     const int blk = (me - s + n) % n;
-    if (s > 0) recvs[s - 1]->wait(c.deadline);
-    sends.push_back(c.isendPosted(right, c.tag(step), outs[blk], nbytes[blk]));
+    size_t j = 0;
+    forSegments(nbytes[blk], seg, [&](size_t off, size_t len) {
+      if (s > 0) recvs[s - 1][j++]->wait(c.deadline);  // passed on as soon as it is in
+      sends.push_back(c.isendPosted(right, c.tag(step), static_cast<char*>(outs[blk]) + off, len));
+    });
   }
-  recvs.push_back(told);
-  waitAll(recvs, c.deadline);
+  for (auto& r : recvs.back()) r->wait(c.deadline);
+  sends.push_back(told);
   waitAll(sends, c.deadline);
 }
 
@@ -220,35 +248,81 @@ void rhdAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) 
   if (me < 2 * extra) sendRecv(c, kStepRounds + 1, me - 1, base, count * es, -1, nullptr, 0);
 }
 
-// Ring all-reduce: n-1 reduce-scatter steps and n-1 all-gather steps, each rank talking only
-// to its neighbours. Partial results travel and each slice is folded starting at a different
-// rank, so it is used only where the order cannot change the result (integers and bool):
-// floating-point reductions stay in rank order whatever the size, so results never depend on
-// the algorithm that happened to run.
-void ringAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) {
-  c.algo = "tcp-ring";
+// Whether a large reduction may go around a ring (ringReduceScatter), which folds each slice
+// starting at a different rank: only where the order cannot change the result (integers and bool),
+// or for floating-point types when the user gave up rank-order sums (MYCCL_ORDERED_SUMS=0).
+bool orderFree(const CollCtx& c, const ReduceSpec& spec) {
+  return (!isFloating(spec.dtype) && !isComplex(spec.dtype)) || !c.orderedSums;
+}
+
+// Ring reduce-scatter: in step s each rank sends the partial of slice me - s - 1 to the next rank
+// and folds the partial of slice me - s - 2 it gets from the previous one with its own input; after
+// n - 1 steps it holds the whole sum of slice me in `out`. As in ringAllgather, each rank sends only
+// to one neighbour, every receive (a scratch region per step, so that the left neighbour never waits
+// for this one) is posted first and announced once, and the sends need no answer (isendPosted).
+// ins[q] (counts[q] elements) is this rank's contribution to slice q; it is only read, and may be
+// where `out` is for q == me. Partials travel in the element type.
+void ringReduceScatter(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec) {
   const int n = c.size, me = c.rank;
   const int right = (me + 1) % n, left = (me - 1 + n) % n;
   const size_t esize = dtypeSize(spec.dtype);
+  const size_t seg = ringSegmentBytes(c, esize);
+  auto recvSlice = [&](int s) { return (me - s - 2 + 2 * n) % n; };
+  std::vector<size_t> at(n, 0);
+  size_t total = 0;
+  for (int s = 0; s < n - 1; ++s) {
+    at[s] = total;
+    total += counts[recvSlice(s)] * esize;
+  }
+  char* tmp = static_cast<char*>(c.scratch.get(3, std::max<size_t>(total, 1)));
+  std::vector<std::vector<RequestPtr>> recvs(n - 1);
+  for (int s = 0; s < n - 1; ++s) {
+    forSegments(counts[recvSlice(s)] * esize, seg, [&](size_t off, size_t len) {
+      recvs[s].push_back(c.irecv(left, c.tag(kStepData), tmp + at[s] + off, len));
+    });
+  }
+  auto ready = c.irecv(right, c.tag(kStepReadyData), nullptr, 0);
+  auto told = c.isend(left, c.tag(kStepReadyData), nullptr, 0);
+  ready->wait(c.deadline);
+  std::vector<RequestPtr> sends;
+  const int first = (me - 1 + n) % n;  // step 0 sends this rank's own input for it
+  forSegments(counts[first] * esize, seg, [&](size_t off, size_t len) {
+    sends.push_back(c.isendPosted(right, c.tag(kStepData), static_cast<const char*>(ins[first]) + off, len));
+  });
+  for (int s = 0; s < n - 1; ++s) {
+    const int q = recvSlice(s);
+    const bool last = s == n - 2;
+    ReduceSpec partial = spec;
+    partial.divisor = last ? spec.divisor : 0;  // AVG divides once, at the last step
+    char* into = last ? static_cast<char*>(out) : tmp + at[s];
+    size_t j = 0;
+    forSegments(counts[q] * esize, seg, [&](size_t off, size_t len) {
+      recvs[s][j++]->wait(c.deadline);
+      const void* parts[2] = {static_cast<const char*>(ins[q]) + off, tmp + at[s] + off};
+      reduceInto(partial, into + off, parts, 2, len / esize);
+      // the partial of slice q is what step s + 1 sends
+      if (!last) sends.push_back(c.isendPosted(right, c.tag(kStepData), into + off, len));
+    });
+  }
+  sends.push_back(told);
+  waitAll(sends, c.deadline);  // the inputs and partials in flight may now change
+}
+
+// Ring all-reduce: the ring reduce-scatter, then the ring all-gather of the reduced slices.
+void ringAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) {
+  c.algo = "tcp-ring";
+  const int n = c.size;
+  const size_t esize = dtypeSize(spec.dtype);
   std::vector<size_t> offs, cnts;
   partition(count, n, offs, cnts);
-  size_t most = 0;
-  for (auto k : cnts) most = std::max(most, k);
-  char* tmp = static_cast<char*>(c.scratch.get(3, most * esize));
-  for (int s = 0; s < n - 1; ++s) {
-    const int sendSlice = (me - s + n) % n, recvSlice = (me - s - 1 + 2 * n) % n;
-    sendRecv(c, kStepData, right, base + offs[sendSlice] * esize, cnts[sendSlice] * esize, left, tmp,
-             cnts[recvSlice] * esize);
-    const void* ins[2] = {base + offs[recvSlice] * esize, tmp};
-    ReduceSpec partial = spec;
-    partial.divisor = (s == n - 2) ? spec.divisor : 0;  // AVG divides once, at the last step
-    reduceInto(partial, base + offs[recvSlice] * esize, ins, 2, cnts[recvSlice]);
+  std::vector<void*> slices(n);
+  std::vector<size_t> bytes(n);
+  for (int q = 0; q < n; ++q) {
+    slices[q] = base + offs[q] * esize;
+    bytes[q] = cnts[q] * esize;
   }
-  for (int s = 0; s < n - 1; ++s) {
-    const int sendSlice = (me + 1 - s + n) % n, recvSlice = (me - s + n) % n;
-    sendRecv(c, kStepGather, right, base + offs[sendSlice] * esize, cnts[sendSlice] * esize, left,
-             base + offs[recvSlice] * esize, cnts[recvSlice] * esize);
-  }
+  ringReduceScatter(c, slices.data(), slices[c.rank], cnts.data(), spec);
+  ringAllgather(c, slices.data(), bytes.data(), kStepGather);
 }
 
 // Binomial tree broadcast: log2(n) rounds instead of the root sending n-1 messages.
@@ -397,6 +471,7 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
     return;
   }
   const bool exactType = !isFloating(spec.dtype) && !isComplex(spec.dtype);
+  if (orderFree(c, spec) && ringGather(c, nbytes / n)) return ringAllreduce(c, static_cast<char*>(buf), count, spec);
   if (n >= 4 && exactType && nbytes > kRhdMaxBytes) return ringAllreduce(c, static_cast<char*>(buf), count, spec);
   if (n >= kLogRoundsMinRanks && exactType) return rhdAllreduce(c, static_cast<char*>(buf), count, spec);
   std::vector<size_t> offs, cnts;
@@ -604,6 +679,10 @@ void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t*
   c.agreement = agreementWord(spec, total);
   c.algo = "tcp-direct";
   const size_t esize = dtypeSize(spec.dtype);
+  if (orderFree(c, spec) && ringGather(c, total * esize / c.size)) {
+    c.algo = "tcp-ring";
+    return ringReduceScatter(c, ins, out, counts, spec);
+  }
   const size_t seg = segmentElems(c, esize);
   std::vector<RequestPtr> sends;
   for (int q = 0; q < c.size; ++q) {

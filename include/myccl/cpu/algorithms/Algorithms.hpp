@@ -57,6 +57,9 @@ struct CollCtx {
   // a fixed pairing of senders and receivers is what keeps every link full (Flat.cpp, ring).
   bool crossHost = false;
   bool crossHostRing = true;  // MYCCL_CROSS_HOST_RING: large all-gathers there may use the ring
+  // Floating-point sums fold in rank order, the same bits whatever the algorithm (MYCCL_ORDERED_SUMS);
+  // false lets large ones across hosts go around the ring, which folds each slice from another rank.
+  bool orderedSums = true;
   // Two-level sums of float16/bfloat16 carry their partials across hosts in float32 (one rounding,
   // twice the bytes) rather than in their own type (MYCCL_FLOAT32_PARTIALS).
   bool float32Partials = false;
