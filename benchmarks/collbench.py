@@ -295,7 +295,8 @@ BACKEND_VARIANTS = {
     "myccl-2sock": ("myccl", lambda: __import__("c10d_ext").Options(sockets_per_peer=2)),
     # float16/bfloat16 partial sums cross hosts in float32 (MYCCL_FLOAT32_PARTIALS=1)
     "myccl-f32partials": ("myccl", lambda: __import__("c10d_ext").Options(float32_partials=True)),
-    # across hosts, large all-gathers go directly from every rank to every other (MYCCL_CROSS_HOST_RING=0)
+    # across hosts, large all-gathers and order-free sums go directly from every rank to every other
+    # (MYCCL_CROSS_HOST_RING=0)
     "myccl-noring": ("myccl", lambda: __import__("c10d_ext").Options(cross_host_ring=False)),
     "myccl-flat-noring": ("myccl", lambda: __import__("c10d_ext").Options(hierarchical=False, cross_host_ring=False)),
     # across hosts, large float sums may go around the ring, not folded in rank order (MYCCL_ORDERED_SUMS=0)

@@ -122,9 +122,10 @@ VARS: list[Var] = [
         "host's partial sums across hosts in float32, rounded once at the end (1), or rounded to their own "
         "type first (0: half the bytes of the cross-host sums, one more rounding, still fewer than a ring's)"),
     Var("MYCCL_CROSS_HOST_RING", "cross_host_ring", _bool,
-        "groups spanning hosts: large all_gathers (and the all-gather half of all_reduce) go around a ring "
-        "of ranks, each sending only to the next, so that each link carries one stream each way (1), or "
-        "every rank sends to every other at once (0)"),
+        "groups spanning hosts: large all_gathers (and the all-gather half of all_reduce), and large sums "
+        "whose order may change (integers; floats with MYCCL_ORDERED_SUMS=0), go around a ring of ranks, "
+        "each sending only to the next, so that each link carries one stream each way (1), or every rank "
+        "sends to every other at once (0; integer all_reduces of 4+ ranks above 1 MiB keep their ring)"),
     Var("MYCCL_ORDERED_SUMS", "ordered_sums", _bool,
         "floating-point all_reduce and reduce_scatter fold the ranks' values in rank order, the same bits "
         "whatever the algorithm and layout of the group (1), or, across hosts, large ones may go around the "

@@ -36,7 +36,7 @@ constexpr size_t kSmallGatherBytes = 64 * 1024;
 constexpr size_t kRhdMaxBytes = 1u << 20;
 // Broadcasts and reduces at least this large across hosts go down a pipelined chain.
 constexpr size_t kChainMinBytes = 1u << 20;
-// All-gathers across hosts from this many bytes per rank go around a ring.
+// All-gathers (and order-free sums) across hosts from this many bytes per rank go around a ring.
 constexpr size_t kRingGatherMinBytes = 256 * 1024;
 
 size_t segmentElems(const CollCtx& c, size_t esize) {
@@ -111,10 +111,23 @@ void forSegments(size_t nbytes, size_t seg, F&& f) {
   for (size_t off = 0; off < nbytes; off += seg) f(off, std::min(seg, nbytes - off));
 }
 
-// Whether a large all-gather goes around a ring (ringAllgather): across hosts, at least 3 ranks,
-// `perRank` bytes or more from each (the same on every rank).
-bool ringGather(const CollCtx& c, size_t perRank) {
+// Whether a large op goes around a ring (ringAllgather; ringReduceScatter where the order of a
+// sum may change, orderFree): across hosts, at least 3 ranks, `perRank` bytes or more from each
+// (the same on every rank), unless MYCCL_CROSS_HOST_RING=0.
+bool ringAcrossHosts(const CollCtx& c, size_t perRank) {
   return c.crossHostRing && c.crossHost && c.size >= 3 && perRank >= kRingGatherMinBytes;
+}
+
+// Slice q of `base` (partition's offs/cnts, in elements of `esize` bytes) as a pointer and a size
+// in bytes, as the rings take them.
+void sliceViews(char* base, const std::vector<size_t>& offs, const std::vector<size_t>& cnts, size_t esize,
+                std::vector<void*>& views, std::vector<size_t>& bytes) {
+  views.resize(offs.size());
+  bytes.resize(offs.size());
+  for (size_t q = 0; q < offs.size(); ++q) {
+    views[q] = base + offs[q] * esize;
+    bytes[q] = cnts[q] * esize;
+  }
 }
 
 // Ring all-gather: in step s every rank passes the block it got in step s - 1 (its own first) to
@@ -251,8 +264,12 @@ void rhdAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec) 
 // Whether a large reduction may go around a ring (ringReduceScatter), which folds each slice
 // starting at a different rank: only where the order cannot change the result (integers and bool),
 // or for floating-point types when the user gave up rank-order sums (MYCCL_ORDERED_SUMS=0).
+bool exactType(DType dt) {
+  return !isFloating(dt) && !isComplex(dt);
+}
+
 bool orderFree(const CollCtx& c, const ReduceSpec& spec) {
-  return (!isFloating(spec.dtype) && !isComplex(spec.dtype)) || !c.orderedSums;
+  return exactType(spec.dtype) || !c.orderedSums;
 }
 
 // Ring reduce-scatter: in step s each rank sends the partial of slice me - s - 1 to the next rank
@@ -313,14 +330,10 @@ void ringAllreduce(CollCtx& c, char* base, size_t count, const ReduceSpec& spec)
   c.algo = "tcp-ring";
   const int n = c.size;
   const size_t esize = dtypeSize(spec.dtype);
-  std::vector<size_t> offs, cnts;
+  std::vector<size_t> offs, cnts, bytes;
   partition(count, n, offs, cnts);
-  std::vector<void*> slices(n);
-  std::vector<size_t> bytes(n);
-  for (int q = 0; q < n; ++q) {
-    slices[q] = base + offs[q] * esize;
-    bytes[q] = cnts[q] * esize;
-  }
+  std::vector<void*> slices;
+  sliceViews(base, offs, cnts, esize, slices, bytes);
   ringReduceScatter(c, slices.data(), slices[c.rank], cnts.data(), spec);
   ringAllgather(c, slices.data(), bytes.data(), kStepGather);
 }
@@ -470,10 +483,10 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
     reduceInto(spec, buf, ins.data(), n, count);
     return;
   }
-  const bool exactType = !isFloating(spec.dtype) && !isComplex(spec.dtype);
-  if (orderFree(c, spec) && ringGather(c, nbytes / n)) return ringAllreduce(c, static_cast<char*>(buf), count, spec);
-  if (n >= 4 && exactType && nbytes > kRhdMaxBytes) return ringAllreduce(c, static_cast<char*>(buf), count, spec);
-  if (n >= kLogRoundsMinRanks && exactType) return rhdAllreduce(c, static_cast<char*>(buf), count, spec);
+  const bool exact = exactType(spec.dtype);
+  if (orderFree(c, spec) && ringAcrossHosts(c, nbytes / n)) return ringAllreduce(c, static_cast<char*>(buf), count, spec);
+  if (n >= 4 && exact && nbytes > kRhdMaxBytes) return ringAllreduce(c, static_cast<char*>(buf), count, spec);
+  if (n >= kLogRoundsMinRanks && exact) return rhdAllreduce(c, static_cast<char*>(buf), count, spec);
   std::vector<size_t> offs, cnts;
   partition(count, n, offs, cnts);
   char* base = static_cast<char*>(buf);
@@ -488,14 +501,11 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   reduceSliceFromPeers(c, mine, mine, cnts[c.rank], spec, kStepData);
   waitAll(sends, c.deadline);  // my copies of other slices may now be overwritten
   // All-gather the reduced slices.
-  if (ringGather(c, nbytes / n)) {
+  if (ringAcrossHosts(c, nbytes / n)) {
     c.algo = "tcp-direct-reduce-scatter-ring-all-gather";
-    std::vector<void*> outs(n);
-    std::vector<size_t> bytes(n);
-    for (int q = 0; q < n; ++q) {
-      outs[q] = base + offs[q] * esize;
-      bytes[q] = cnts[q] * esize;
-    }
+    std::vector<void*> outs;
+    std::vector<size_t> bytes;
+    sliceViews(base, offs, cnts, esize, outs, bytes);
     return ringAllgather(c, outs.data(), bytes.data(), kStepGather);
   }
   std::vector<RequestPtr> reqs;
@@ -629,7 +639,7 @@ void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nby
     }
     return;
   }
-  if (ringGather(c, total / c.size)) {
+  if (ringAcrossHosts(c, total / c.size)) {
     c.algo = "tcp-ring";
     if (outs[c.rank] != in && nbytes[c.rank] > 0) std::memcpy(outs[c.rank], in, nbytes[c.rank]);
     return ringAllgather(c, outs, nbytes, kStepData);
@@ -679,7 +689,7 @@ void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t*
   c.agreement = agreementWord(spec, total);
   c.algo = "tcp-direct";
   const size_t esize = dtypeSize(spec.dtype);
-  if (orderFree(c, spec) && ringGather(c, total * esize / c.size)) {
+  if (orderFree(c, spec) && ringAcrossHosts(c, total * esize / c.size)) {
     c.algo = "tcp-ring";
     return ringReduceScatter(c, ins, out, counts, spec);
   }
