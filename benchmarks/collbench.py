@@ -288,6 +288,8 @@ def _flat_options():
 # Extra myccl configurations measured in the same run (--variants): label -> (backend, pg_options)
 BACKEND_VARIANTS = {
     "myccl-flat": ("myccl", _flat_options),  # across hosts: every rank over TCP, no per-host level
+    # across hosts: two levels forced (the default, MYCCL_HIERARCHICAL=auto, measures the link to choose)
+    "myccl-hier": ("myccl", lambda: __import__("c10d_ext").Options(hierarchical=True)),
     "myccl-tcp": ("myccl", lambda: __import__("c10d_ext").Options(transport="tcp")),
     # one socket per peer (MYCCL_SOCKETS_PER_PEER=1): large messages between hosts not striped
     "myccl-1sock": ("myccl", lambda: __import__("c10d_ext").Options(sockets_per_peer=1)),
@@ -362,9 +364,12 @@ def run_rank(rank: int, world: int, args, port: int, device_type: str) -> list[d
                              "busbw_gbs": algbw * bus_factor(op, world), "check": ok})
                 if rank == 0 and args.verbose:
                     print(f"{label:10} {op:16} {fmt_size(case.nbytes):>6} {t * 1e6:10.1f} us", flush=True)
+    # What MYCCL_HIERARCHICAL=auto measured and chose, per myccl group (None: nothing to choose)
+    models = {label: c10d_ext.link_model(g) for label, g in groups.items()
+              if kinds[label] == "myccl" and device_type == "cpu"}
     dist.destroy_process_group()
     if rank == 0:
-        return [{"copy_gbs": copy_bw}] + rows
+        return [{"copy_gbs": copy_bw, "link_models": models}] + rows
     return None
 
 
@@ -405,7 +410,7 @@ def cuda_memory(args, world: int) -> tuple[int, int]:
 
 
 def report(rows: list[dict], world: int, args, baseline: str) -> dict:
-    copy_bw = rows[0]["copy_gbs"]
+    copy_bw, models = rows[0]["copy_gbs"], rows[0].get("link_models", {})
     rows = rows[1:]
     by = {(r["backend"], r["op"], r["bytes"]): r for r in rows}
     print(f"\ncollbench: world size {world}, device {args.device}, baseline {baseline}"
@@ -444,8 +449,14 @@ def report(rows: list[dict], world: int, args, baseline: str) -> dict:
                       "baseline_time_us": b["time_us"] if b else None,
                       "baseline_issue_us": b["issue_us"] if b else None,
                       "baseline_busbw_gbs": b["busbw_gbs"] if b else None, "speedup": speed})
+    for label, m in models.items():
+        if m:
+            print(f"{label}: link {m['link_bytes_per_s'] / 1e6:.0f} MB/s per host"
+                  f" ({'declared' if m['declared'] else 'measured'}), shared memory"
+                  f" {m['local_bytes_per_s'] / 1e6:.0f} MB/s per rank:"
+                  f" {'two levels' if m['hierarchical'] else 'flat TCP'} (measuring took {m['seconds'] * 1e3:.0f} ms)")
     return {"world_size": world, "device": args.device, "baseline": baseline, "copy_gbs": copy_bw,
-            "torch": torch.__version__, "rows": table, "raw": rows}
+            "torch": torch.__version__, "link_models": models, "rows": table, "raw": rows}
 
 
 def main() -> None:

@@ -110,7 +110,25 @@ def reset_stats(group=None) -> None:
     _myccl_backend(group).reset_stats()
 
 
-__all__ += ["stats", "reset_stats"]
+def link_model(group=None) -> dict | None:
+    """What MYCCL_HIERARCHICAL=auto measured and chose for `group` (default: the world), or None
+    before its first op with a two-level version (and when the choice was forced or there is
+    none to make). Keys: hierarchical (the choice), declared (the link rate came from
+    MYCCL_LINK_MBIT), link_bytes_per_s (one host's link, its ranks sending at once; the slowest
+    host), local_bytes_per_s (what a rank takes in from its host's ranks through shared memory;
+    the slowest rank), hosts, ranks_per_host, seconds and bytes (what measuring cost this rank)."""
+    m = _myccl_backend(group).link_model()
+    if not m:
+        return None
+    out = dict(m)
+    for key in ("hierarchical", "declared"):
+        out[key] = bool(out[key])
+    for key in ("hosts", "bytes"):
+        out[key] = int(out[key])
+    return out
+
+
+__all__ += ["stats", "reset_stats", "link_model"]
 
 
 def shared_tensor(shape, dtype: torch.dtype = torch.float32, group=None) -> torch.Tensor:

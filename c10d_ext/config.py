@@ -49,6 +49,16 @@ def _bool(s: str) -> bool:
     raise ValueError("expected 0/1/true/false")
 
 
+def _auto_bool(s: str) -> int:
+    """auto -> -1 (C++ decides), else a boolean as 1/0."""
+    if s.strip().lower() in ("auto", "-1"):
+        return -1
+    try:
+        return int(_bool(s))
+    except ValueError:
+        raise ValueError("expected auto, 0/1 or true/false") from None
+
+
 def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
     def parse(s: str) -> int:
         v = int(s.strip(), 0)
@@ -114,9 +124,15 @@ VARS: list[Var] = [
         "(exclude). Default: the interface that routes to MASTER_ADDR (loopback if all ranks share a host)"),
     Var("MYCCL_HOST_ID", "host_id", _str,
         "overrides this process's host identity (ranks with equal identities use shared memory)"),
-    Var("MYCCL_HIERARCHICAL", "hierarchical", _bool,
-        "groups spanning hosts: shared memory inside each host and one leader per host across "
-        "hosts (1), or every rank over TCP (0)"),
+    Var("MYCCL_HIERARCHICAL", "hierarchical", _auto_bool,
+        "groups spanning hosts where some host holds several ranks: two levels, shared memory inside "
+        "each host and TCP between hosts (1), every rank over TCP (0), or whichever the link measured "
+        "at the group's first such op favours (auto: two levels unless the link carries a host's bytes "
+        "faster than its ranks exchange them through shared memory; c10d_ext.link_model() says what "
+        "was measured and chosen)"),
+    Var("MYCCL_LINK_MBIT", "link_mbit", _int(0),
+        "groups spanning hosts, MYCCL_HIERARCHICAL=auto: each host's network link in Mbit/s, declared "
+        "instead of measured (0: measure it once per group)"),
     Var("MYCCL_FLOAT32_PARTIALS", "float32_partials", _bool,
         "groups spanning hosts, hierarchical: float16/bfloat16 all_reduce and reduce_scatter carry each "
         "host's partial sums across hosts in float32, rounded once at the end (1), or rounded to their own "

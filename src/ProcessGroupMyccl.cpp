@@ -253,6 +253,20 @@ std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> My
   return out;
 }
 
+std::map<std::string, double> MycclBackend::linkModel() const {
+  if (!cpu_) return {};
+  const cpu::LinkModel m = cpu_->linkModel();
+  if (!m.measured) return {};
+  return {{"hierarchical", m.hierarchical},
+          {"declared", m.declared},
+          {"link_bytes_per_s", m.linkBytesPerS},
+          {"local_bytes_per_s", m.localBytesPerS},
+          {"ranks_per_host", m.ranksPerHost},
+          {"hosts", m.hosts},
+          {"seconds", m.seconds},
+          {"bytes", static_cast<double>(m.bytes)}};
+}
+
 void MycclBackend::resetStats() {
   if (cpu_) cpu_->stats().reset();
 }

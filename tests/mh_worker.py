@@ -1,7 +1,7 @@
 """Runs under torchrun on the namespaced test hosts (tests/test_multihost.py): checks every op
 against local expectations, then trains a small DDP model and saves its parameters.
 
-    torchrun ... tests/mh_worker.py <out_dir> <mode>     mode: all | ops | ddp
+    torchrun ... tests/mh_worker.py <out_dir> <mode>     mode: all | ops | ddp | link
 """
 
 from __future__ import annotations
@@ -47,6 +47,16 @@ class Checks:
         self.count += 1
         if not ok:
             self.fails.append(f"rank {dist.get_rank()}: {self.prefix}{what}")
+
+
+def two_levels() -> bool:
+    """Whether the world's large ops run in two levels: forced by MYCCL_HIERARCHICAL, or what the
+    link measured at the first op chose (auto; no choice to make with one rank per host)."""
+    forced = os.environ.get("MYCCL_HIERARCHICAL", "auto")
+    if forced in ("0", "1"):
+        return forced == "1"
+    m = c10d_ext.link_model()
+    return bool(m and m["hierarchical"])
 
 
 def check_ops(fails: list[str]) -> int:
@@ -106,7 +116,7 @@ def check_ops(fails: list[str]) -> int:
     # all ranks in rank order.
     hosts = [None] * n
     dist.all_gather_object(hosts, c10d_ext.cross_rank())
-    if os.environ.get("MYCCL_HIERARCHICAL", "1") == "0":
+    if not two_levels():
         hosts = [0] * n
     # float16/bfloat16 partial sums cross hosts in float32 (one rounding) or in their own type
     wide = os.environ.get("MYCCL_FLOAT32_PARTIALS", "0") == "1"
@@ -156,7 +166,7 @@ def check_ops(fails: list[str]) -> int:
         q.wait()
     check(torch.equal(y, make((r - 1) % n, (100_000,), torch.float32, 3)), "ring send/recv")
     st = c10d_ext.stats()
-    if os.environ.get("MYCCL_HIERARCHICAL", "1") == "0":
+    if not two_levels():
         # flat across hosts: large broadcasts go down a chain (each host's link carries them once)
         check("broadcast/tcp-pipelined-chain" in st, f"chained broadcast never ran: {sorted(st)}")
         # large all-gathers across hosts go around a ring (each rank sends only to the next), and
@@ -179,6 +189,63 @@ def check_ops(fails: list[str]) -> int:
         for op in ("reduce_scatter_tensor", "reduce_scatter", "all_gather", "all_gather_into_tensor"):
             check(f"{op}/hierarchical-striped-shm-tcp" in st, f"striped {op} never ran: {sorted(st)}")
             check(f"{op}/hierarchical-shm-tcp" in st, f"leader {op} never ran: {sorted(st)}")
+    return check.count
+
+
+def check_link(fails: list[str]) -> int:
+    """MYCCL_HIERARCHICAL=auto: the link is measured once, at the first op with a two-level
+    version, every rank gets the same figures, and the ops then run the path they chose.
+    MH_EXPECT says which path ("two-levels" or "flat"); MH_LINK_CAP_MBIT, the cap put on every
+    host's link (the measurement may not exceed it by more than the token bucket's burst)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    check = Checks(fails, "link: ")
+    check(c10d_ext.link_model() is None, "a link model before any op")
+    x = make(r, (1000,), torch.float32, 6)
+    g = [torch.empty(1000) for _ in range(n)]
+    dist.all_gather(g, x)  # the first op with a two-level version: it measures
+    m = c10d_ext.link_model()
+    check(m is not None, "no link model after the first all_gather")
+    if m is None:
+        return check.count
+    models = [None] * n
+    dist.all_gather_object(models, m)
+    same = ("hierarchical", "declared", "link_bytes_per_s", "local_bytes_per_s", "hosts", "ranks_per_host")
+    check(all(all(o[k] == m[k] for k in same) for o in models), f"ranks measured different figures: {models}")
+    want = os.environ["MH_EXPECT"] == "two-levels"
+    check(m["hierarchical"] == want, f"chose {'two levels' if m['hierarchical'] else 'flat'}: {m}")
+    check(m["hosts"] == c10d_ext.cross_size() and m["ranks_per_host"] == n / c10d_ext.cross_size(), f"layout: {m}")
+    check(m["local_bytes_per_s"] > 0, f"no shared-memory rate: {m}")
+    declared = os.environ.get("MYCCL_LINK_MBIT")
+    if declared:
+        check(m["declared"] and m["link_bytes_per_s"] == int(declared) * 1e6 / 8, f"declared link: {m}")
+    else:
+        check(not m["declared"] and m["link_bytes_per_s"] > 0, f"measured link: {m}")
+        cap = os.environ.get("MH_LINK_CAP_MBIT")
+        if cap:
+            # 2 ranks x 1 MiB per host through a bucket of 256 KiB burst: at most ~1.15x the rate
+            check(m["link_bytes_per_s"] <= 1.5 * int(cap) * 1e6 / 8, f"measured faster than the cap: {m}")
+    for numel in (7, 600_001):
+        xs = [make(q, (numel,), torch.float32, 7) for q in range(n)]
+        t = xs[r].clone()
+        dist.all_reduce(t)
+        check(close(t, reduce_all(xs, "SUM")), f"all_reduce {numel}")
+        outs = [torch.empty(numel) for _ in range(n)]
+        dist.all_gather(outs, xs[r])
+        check(all(torch.equal(outs[q], xs[q]) for q in range(n)), f"all_gather {numel}")
+        t = xs[r].clone()
+        dist.broadcast(t, src=n - 1)
+        check(torch.equal(t, xs[n - 1]), f"broadcast {numel}")
+    dist.barrier()
+    st = c10d_ext.stats()
+    choice = "hierarchical" if want else "flat"
+    probes = {k: v for k, v in st.items() if k.startswith("link_probe/")}
+    check(list(probes) == [f"link_probe/{choice}"] and probes[f"link_probe/{choice}"]["count"] == 1,
+          f"measured more than once, or recorded another choice: {probes}")
+    two = [k for k in st if "/hierarchical" in k]
+    if want:
+        check("all_reduce/hierarchical-striped-shm-tcp" in st, f"striped all_reduce never ran: {sorted(st)}")
+    else:
+        check(not two, f"two-level ops ran after choosing flat: {two}")
     return check.count
 
 
@@ -249,6 +316,8 @@ def main() -> int:
               "cross_size": c10d_ext.cross_size(), "fails": [], "checks": 0,
               "links": dist.group.WORLD._get_backend(torch.device("cpu")).describe_links()}
     try:
+        if mode == "link":
+            result["checks"] = check_link(result["fails"])
         if mode in ("all", "ops"):
             result["checks"] = check_ops(result["fails"])
         if mode == "all":

@@ -93,8 +93,9 @@ def _assert_ok(results):
 
 
 def test_two_hosts_every_op_and_ddp_matches_single_host():
+    # two levels forced: on these uncapped veth links the measured choice could go either way
     with netns.Hosts(2) as hosts:
-        results, out, _ = launch(hosts, 2, "all")
+        results, out, _ = launch(hosts, 2, "all", {"MYCCL_HIERARCHICAL": "1"})
     _assert_ok(results)
     for res in results:
         assert res["cross_size"] == 2 and res["local_size"] == 2, res
@@ -113,7 +114,7 @@ def test_two_hosts_every_op_and_ddp_matches_single_host():
 def test_three_hosts():
     # float32 partials here (one rounding); the two-host test checks the default (rounded per level)
     with netns.Hosts(3) as hosts:
-        results, _, _ = launch(hosts, 2, "ops", {"MYCCL_FLOAT32_PARTIALS": "1"})
+        results, _, _ = launch(hosts, 2, "ops", {"MYCCL_FLOAT32_PARTIALS": "1", "MYCCL_HIERARCHICAL": "1"})
     _assert_ok(results)
     assert sorted({res["cross_rank"] for res in results}) == [0, 1, 2]
 
@@ -131,7 +132,23 @@ def test_unordered_sums_around_a_ring_across_hosts():
     _assert_ok(results)
 
 
+def test_auto_chooses_two_levels_on_a_slow_link():
+    # MYCCL_HIERARCHICAL=auto (the default) with every link capped far below shared memory
+    with netns.Hosts(2) as hosts:
+        hosts.cap("50mbit")
+        results, _, _ = launch(hosts, 2, "link", {"MH_EXPECT": "two-levels", "MH_LINK_CAP_MBIT": "50"})
+    _assert_ok(results)
+
+
+def test_auto_chooses_flat_on_a_declared_fast_link():
+    # a link declared faster than shared memory: flat TCP, and nothing measured across hosts
+    with netns.Hosts(2) as hosts:
+        results, _, _ = launch(hosts, 2, "link", {"MH_EXPECT": "flat", "MYCCL_LINK_MBIT": "100000000"})
+    _assert_ok(results)
+
+
 def test_delay_and_loss_on_a_link():
+    # auto: the link is measured through the impairment; the ops check whichever path it chose
     with netns.Hosts(2) as hosts:
         applied = hosts.impair(1)
         results, _, _ = launch(hosts, 2, "ops", timeout=400)

@@ -242,3 +242,21 @@ def test_info_cli():
                           "-m", "c10d_ext.info"], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "topology: 2 ranks on 1 host(s)" in res.stdout and "shared memory" in res.stdout, res.stdout
+
+
+def test_hierarchical_is_auto_unless_forced():
+    import c10d_ext
+    from c10d_ext import config
+    from c10d_ext.backend import make_config
+
+    assert make_config(environ={}).hierarchical == -1  # auto: chosen from the measured link
+    assert make_config(environ={}).link_mbit == 0  # measured, not declared
+    for raw, want in (("auto", -1), ("1", 1), ("yes", 1), ("0", 0), ("off", 0)):
+        assert config.parse_env({"MYCCL_HIERARCHICAL": raw})["hierarchical"] == want, raw
+    assert make_config(c10d_ext.Options(hierarchical=True), environ={}).hierarchical == 1
+    assert make_config(c10d_ext.Options(hierarchical=False), environ={}).hierarchical == 0
+    assert make_config(environ={"MYCCL_LINK_MBIT": "25000"}).link_mbit == 25000
+    with pytest.raises(ValueError, match="MYCCL_HIERARCHICAL.*expected auto, 0/1 or true/false"):
+        config.parse_env({"MYCCL_HIERARCHICAL": "sometimes"})
+    with pytest.raises(ValueError, match="MYCCL_LINK_MBIT"):
+        config.parse_env({"MYCCL_LINK_MBIT": "-5"})

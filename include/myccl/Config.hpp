@@ -15,7 +15,8 @@
   X(std::string, masterAddr, "master_addr", "")           /* MASTER_ADDR: the default route */   \
   X(int64_t, restartCount, "restart_count", 0)            /* TORCHELASTIC_RESTART_COUNT */       \
   X(std::string, hostId, "host_id", "")                   /* MYCCL_HOST_ID */                    \
-  X(bool, hierarchical, "hierarchical", true)             /* MYCCL_HIERARCHICAL */               \
+  X(int, hierarchical, "hierarchical", -1)                /* MYCCL_HIERARCHICAL: 1, 0, -1 auto */ \
+  X(int64_t, linkMbit, "link_mbit", 0)                    /* MYCCL_LINK_MBIT */                  \
   X(bool, splitSharesLinks, "split_shares_links", true)   /* MYCCL_SPLIT_LINKS */                \
   X(bool, float32Partials, "float32_partials", false)     /* MYCCL_FLOAT32_PARTIALS */           \
   X(bool, crossHostRing, "cross_host_ring", true)         /* MYCCL_CROSS_HOST_RING */            \

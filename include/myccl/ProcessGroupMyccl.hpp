@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -203,6 +204,9 @@ class MycclBackend final : public c10d::Backend {
   // (op, algorithm, count, bytes, seconds) for every op run so far on CPU.
   std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, double>> stats() const;
   void resetStats();
+  // MYCCL_HIERARCHICAL=auto's figures and choice for CPU ops, by name (c10d_ext.link_model); empty
+  // until measured.
+  std::map<std::string, double> linkModel() const;
   const std::shared_ptr<Recorder>& recorder() const { return recorder_; }
   // A coalescing block that torch will never end (its body raised) or that a new block replaced:
   // its held ops fail with `why` and the group leaves coalescing mode. No-op outside a block.

@@ -214,7 +214,6 @@ void CpuEngine::runOp(Op& op) {
   CollCtx ctx{*transport_, rank_, size_, collectiveTagBase(op.code, info.seq),
               Clock::now() + info.timeout, *scratch_,
               static_cast<size_t>(std::max<int64_t>(4096, cfg_.tcpChunkBytes)), shm_.get(), &topo_};
-  ctx.hierarchical = cfg_.hierarchical;
   ctx.crossHost = topo_.crossSize > 1;
   ctx.crossHostRing = cfg_.crossHostRing;
   ctx.orderedSums = cfg_.orderedSums;
@@ -223,6 +222,7 @@ void CpuEngine::runOp(Op& op) {
   ctx.streamMinBytes = streamMinBytes_;
   const auto t0 = Clock::now();
   try {
+    chooseLevels(ctx, op.code);
     if (cfg_.debugDetail && size_ > 1) checkFingerprint(ctx, op);
     if (size_ > 1 && (!shm_ || topo_.crossSize > 1)) checkStrays(info.seq);  // shared memory checks every step
     op.body(ctx);
@@ -242,6 +242,40 @@ void CpuEngine::runOp(Op& op) {
     failGroup(msg, timeout);
     op.work->markDone(makeDistError("myccl: " + msg));
   }
+}
+
+// MYCCL_HIERARCHICAL: forced either way, or (auto) chosen from the link, measured at the group's
+// first op that has a two-level version. Every rank runs the same collectives in the same order,
+// so every rank measures at the same op; until then (ops with no two-level version: gather,
+// scatter, all_to_all, reduce) two levels stay the choice, as they were before anything measured.
+void CpuEngine::chooseLevels(CollCtx& ctx, OpCode code) {
+  if (cfg_.hierarchical >= 0) {
+    ctx.hierarchical = cfg_.hierarchical == 1;
+    return;
+  }
+  const bool twoLevelOp = code == OpCode::Allreduce || code == OpCode::Broadcast || code == OpCode::Allgather ||
+                          code == OpCode::ReduceScatter || code == OpCode::Barrier;
+  LinkModel m = linkModel();
+  if (!m.measured && twoLevelOp && twoLevelsApply(ctx)) {
+    m = measureLink(ctx, static_cast<double>(cfg_.linkMbit) * 1e6 / 8);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      link_ = m;
+    }
+    stats_->add("link_probe", m.hierarchical ? "hierarchical" : "flat", m.bytes, m.seconds);
+    std::ostringstream os;
+    os << "group '" << group_ << "' rank " << rank_ << ": link " << m.linkBytesPerS / 1e6 << " MB/s per host ("
+       << (m.declared ? "MYCCL_LINK_MBIT" : "measured") << "), shared memory " << m.localBytesPerS / 1e6
+       << " MB/s per rank, " << m.hosts << " hosts x " << m.ranksPerHost << " ranks: "
+       << (m.hierarchical ? "two levels" : "flat TCP") << " (measuring took " << m.seconds * 1e3 << " ms)";
+    log(LogLevel::Info, os.str());
+  }
+  ctx.hierarchical = m.hierarchical;
+}
+
+LinkModel CpuEngine::linkModel() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return link_;
 }
 
 std::string CpuEngine::describeFailure(const Op& op, const std::exception& e, bool& timeout) const {

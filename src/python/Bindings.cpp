@@ -159,6 +159,7 @@ PYBIND11_MODULE(_C, m) {
       // communicators among the members (only split_group splits), so there is nothing to join.
       .def("perform_nocolor_split", [](myccl::MycclBackend&, const at::Device&) {}, py::arg("device"))
       .def("stats", &myccl::MycclBackend::stats)
+      .def("link_model", &myccl::MycclBackend::linkModel)
       .def("reset_stats", &myccl::MycclBackend::resetStats);
 
   m.def("build_info", []() {

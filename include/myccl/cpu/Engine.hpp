@@ -22,6 +22,7 @@
 #include "myccl/Topology.hpp"
 #include "myccl/Work.hpp"
 #include "myccl/cpu/Bootstrap.hpp"
+#include "myccl/cpu/algorithms/LinkModel.hpp"
 #include "myccl/cpu/algorithms/Tags.hpp"
 
 namespace myccl::cpu {
@@ -114,6 +115,9 @@ class CpuEngine final : public Engine {
   // This host's ranks' shared memory (null: none), for windows that map peers' registered memory.
   ShmGroup* sharedMemory() const { return shm_.get(); }
   Stats& stats() { return *stats_; }
+  // MYCCL_HIERARCHICAL=auto's figures and choice (measured = false until the group's first op
+  // with a two-level version).
+  LinkModel linkModel() const;
   at::Tensor allocateTensor(int64_t numel, const at::TensorOptions& options);
   // Collective: see cpu::sharedTensor (Bootstrap.hpp).
   at::Tensor sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype);
@@ -138,6 +142,7 @@ class CpuEngine final : public Engine {
   void failGroup(const std::string& why, bool timeout);
   std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
   void checkUsable(const OpInfo& info) const;
+  void chooseLevels(CollCtx& ctx, OpCode code);
 
   c10::intrusive_ptr<c10d::Store> store_;
   const std::string keyPrefix_;
@@ -169,6 +174,7 @@ class CpuEngine final : public Engine {
   bool stop_ = false;
   std::string failure_;
   bool timedOut_ = false;
+  LinkModel link_;  // written by the op runner under mu_
   std::thread thread_;
 };
 

@@ -12,5 +12,6 @@ void broadcast(CollCtx& c, void* buf, size_t nbytes, int root);
 void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes);
 void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec);
 void barrier(CollCtx& c);
+LinkModel measureLink(CollCtx& c, double declaredLinkBytesPerS);
 
 }  // namespace myccl::cpu::hier

@@ -22,6 +22,10 @@ Family family(const CollCtx& c, bool hierarchicalVersion) {
 
 }  // namespace
 
+bool twoLevelsApply(const CollCtx& c) {
+  return hier::applies(c);
+}
+
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   const Family f = family(c, true);
   if (spec.scale != 0.0 && f != Family::Shm) {

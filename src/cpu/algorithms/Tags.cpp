@@ -19,6 +19,7 @@ const char* opCodeName(OpCode code) {
     case OpCode::Fingerprint: return "fingerprint check of";
     case OpCode::ChannelClose: return "closing notice of";
     case OpCode::Setup: return "setup of";
+    case OpCode::LinkProbe: return "link probe before";
   }
   return "op";
 }

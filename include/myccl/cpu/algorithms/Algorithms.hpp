@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "myccl/cpu/Reduce.hpp"
+#include "myccl/cpu/algorithms/LinkModel.hpp"
 #include "myccl/cpu/algorithms/Tags.hpp"
 #include "myccl/cpu/transport/Transport.hpp"
 
@@ -52,7 +53,7 @@ struct CollCtx {
   ShmGroup* shm = nullptr;  // this host's ranks of the group, when they share memory
   const Topology* topo = nullptr;        // the whole group's hosts (hierarchical algorithms)
   const std::vector<int>* members = nullptr;  // position -> group rank; null: the whole group
-  bool hierarchical = true;                   // two-level algorithms allowed across hosts
+  bool hierarchical = true;                   // two-level algorithms across hosts (MYCCL_HIERARCHICAL, LinkModel)
   // Whether this context's ranks are on several hosts: its messages cross network links, where
   // a fixed pairing of senders and receivers is what keeps every link full (Flat.cpp, ring).
   bool crossHost = false;
@@ -123,5 +124,14 @@ void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t*
 void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, void* const* recvs,
                const size_t* recvBytes);
 void barrier(CollCtx& c);
+
+// Whether the group spans several hosts and some host holds several of its ranks: two levels
+// (shared memory inside hosts, TCP between them) or flat TCP is then a choice.
+bool twoLevelsApply(const CollCtx& c);
+// Collective, run by every rank at the same op (MYCCL_HIERARCHICAL=auto): measures how fast each
+// host's link carries bytes to the next host and how fast a host's ranks exchange bytes through
+// shared memory, gathers the figures (every rank ends with the same ones) and chooses.
+// `declaredLinkBytesPerS` > 0 stands for the link measurement (MYCCL_LINK_MBIT).
+LinkModel measureLink(CollCtx& c, double declaredLinkBytesPerS);
 
 }  // namespace myccl::cpu
