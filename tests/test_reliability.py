@@ -108,7 +108,11 @@ def test_dead_peer(run, size, op):
         if r == victim:
             continue
         assert out["error"] != "no error", out
-        assert out["elapsed"] < GROUP_TIMEOUT + 2, out
+        # The death, not a timeout, ended the op. A rank that learns of it from another survivor
+        # waits for that rank's abort hooks (torch 2.15's flight recorder dumps there, before the
+        # links close: up to 5 s each in a loaded CI run), then runs its own: two hooks' time.
+        assert "Timed out" not in out["error"], out
+        assert out["elapsed"] < 2 * GROUP_TIMEOUT, out
         assert "myccl" in out["error"] and f"rank {victim}" in out["error"], out["error"]
         if op != "send":
             assert f"{op} #" in out["error"] or "all_gather_into_tensor #" in out["error"], out["error"]
