@@ -255,9 +255,10 @@ void CpuEngine::chooseLevels(CollCtx& ctx, OpCode code) {
   }
   const bool twoLevelOp = code == OpCode::Allreduce || code == OpCode::Broadcast || code == OpCode::Allgather ||
                           code == OpCode::ReduceScatter || code == OpCode::Barrier;
-  LinkModel m = linkModel();
-  if (!m.measured && twoLevelOp && twoLevelsApply(ctx)) {
-    m = measureLink(ctx, static_cast<double>(cfg_.linkMbit) * 1e6 / 8);
+  // Only the op runner writes link_ (ops run one at a time, handed over under mu_), so it reads
+  // it without the lock; linkModel(), from other threads, takes it.
+  if (!link_.measured && twoLevelOp && twoLevelsApply(ctx)) {
+    const LinkModel m = measureLink(ctx, static_cast<double>(cfg_.linkMbit) * 1e6 / 8);
     {
       std::lock_guard<std::mutex> lk(mu_);
       link_ = m;
@@ -270,7 +271,7 @@ void CpuEngine::chooseLevels(CollCtx& ctx, OpCode code) {
        << (m.hierarchical ? "two levels" : "flat TCP") << " (measuring took " << m.seconds * 1e3 << " ms)";
     log(LogLevel::Info, os.str());
   }
-  ctx.hierarchical = m.hierarchical;
+  ctx.hierarchical = link_.hierarchical;
 }
 
 LinkModel CpuEngine::linkModel() const {

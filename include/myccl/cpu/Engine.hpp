@@ -174,7 +174,7 @@ class CpuEngine final : public Engine {
   bool stop_ = false;
   std::string failure_;
   bool timedOut_ = false;
-  LinkModel link_;  // written by the op runner under mu_
+  LinkModel link_;  // written by the op runner under mu_; it alone reads it without
   std::thread thread_;
 };
 

@@ -114,14 +114,18 @@ void localAllgatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, c
   flat::allgatherv(lc, in, outs, nbytes);
 }
 
+// byHost[h]: the group ranks on host h, ascending (like localRanks).
+std::vector<std::vector<int>> ranksByHost(const Topology& t) {
+  std::vector<std::vector<int>> byHost(t.crossSize);
+  for (int r = 0; r < t.size; ++r) byHost[t.hostOfRank[r]].push_back(r);
+  return byHost;
+}
+
 // stripes[i][h]: the rank with local index i on host h. Empty when the hosts hold different
 // numbers of ranks (then there is no one-to-one pairing across hosts).
 std::vector<std::vector<int>> stripes(const CollCtx& c, const Levels& L) {
-  const Topology& t = *c.topo;
-  std::vector<std::vector<int>> byHost(t.crossSize);
-  for (int r = 0; r < t.size; ++r) byHost[t.hostOfRank[r]].push_back(r);  // ascending, like localRanks
   std::vector<std::vector<int>> out(L.local.size());
-  for (auto& ranks : byHost) {
+  for (auto& ranks : ranksByHost(*c.topo)) {
     if (ranks.size() != L.local.size()) return {};
     for (size_t i = 0; i < ranks.size(); ++i) out[i].push_back(ranks[i]);
   }
@@ -573,8 +577,7 @@ LinkModel measureLink(CollCtx& c, double declaredLinkBytesPerS) {
   if (declaredLinkBytesPerS <= 0) {
     // Local rank i of every host sends to local rank i of the next host: every rank of a host
     // at once, as both the flat and the striped algorithms load the link.
-    std::vector<std::vector<int>> byHost(t.crossSize);
-    for (int r = 0; r < t.size; ++r) byHost[t.hostOfRank[r]].push_back(r);
+    const auto byHost = ranksByHost(t);
     const auto& next = byHost[(t.crossRank + 1) % t.crossSize];
     const auto& prev = byHost[(t.crossRank + t.crossSize - 1) % t.crossSize];
     char* got = static_cast<char*>(c.scratch.get(kSlotC, kProbeBytes));
