@@ -1,7 +1,7 @@
 # The two commands of the README. Each works on a fresh machine (python3 + g++ + PyPI).
 # TORCH_SPEC picks the torch (default in requirements-torch.txt; any release 2.11-2.15), PYTHON the
 # interpreter of a new venv, VENV the venv (default .venv): see scripts/setup.sh.
-.PHONY: demo test test-compat setup bench wheel clean gpu-check
+.PHONY: demo test test-compat test-matrix setup bench wheel clean gpu-check
 
 VENV ?= .venv
 export VENV
@@ -22,6 +22,10 @@ test: setup
 test-compat: setup
 	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py tests/test_ddp.py tests/test_ddp_cuda.py tests/test_cuda.py
 
+# What CI runs against each other supported torch: the build and the collective matrix.
+test-matrix: setup
+	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py
+
 bench: setup
 	$(VENV)/bin/python benchmarks/collbench.py --world-size 2
 
@@ -33,8 +37,8 @@ gpu-check:
 
 # A wheel for the venv's torch, named after it (c10d_ext-0.2.0+torch2.14-...whl) in dist/.
 wheel: setup
-	$(VENV)/bin/python -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	MYCCL_BUILD_TESTS=0 $(VENV)/bin/python -m pip wheel -q --no-build-isolation --no-deps -w dist .
 	@ls -1 dist/*.whl
 
 clean:
-	rm -rf build dist *.egg-info c10d_ext/_C*.so c10d_ext/_build_info.py
+	rm -rf build dist *.egg-info c10d_ext/_C*.so c10d_ext/_test_double*.so c10d_ext/_build_info.py

@@ -1,6 +1,9 @@
 # Builds c10d_ext._C with torch's BuildExtension (ninja). The NCCL engine (src/cuda) is built
 # when torch is a CUDA build and NCCL's header and library are found; MYCCL_WITH_NCCL=1 forces
 # it on (and fails loudly if anything is missing), MYCCL_WITH_NCCL=0 forces it off.
+# MYCCL_BUILD_TESTS=1 also builds c10d_ext._test_double, the strict CUDA/NCCL host double the
+# tests run the CUDA engine on (scripts/setup.sh sets it for the source tree's venv; wheels and
+# `pip install .` leave it out).
 import glob
 import os
 import sys
@@ -94,13 +97,30 @@ def _nccl_config():
     return inc, lib_dirs, libs
 
 
+# The test double's own files: never in _C.
+_TEST_DOUBLE = ("src/cuda/double/", "src/python/TestDoubleModule.cpp")
+
+
 def _sources(with_nccl):
-    # The CUDA engine's logic and its test double build everywhere; only the real runtime
-    # (src/cuda/real: CUDA and NCCL headers) needs NCCL.
+    # The CUDA engine's logic builds everywhere; only the real runtime (src/cuda/real: CUDA and
+    # NCCL headers) needs NCCL.
     srcs = sorted(glob.glob("src/**/*.cpp", recursive=True))
+    srcs = [s for s in srcs if not s.startswith(_TEST_DOUBLE)]
     if not with_nccl:
         srcs = [s for s in srcs if not s.startswith("src/cuda/real/")]
     return srcs
+
+
+def _test_double_sources():
+    # The double, the seam's vocabulary it shares with the engine, and its module.
+    return sorted(glob.glob("src/cuda/double/*.cpp")) + ["src/cuda/Runtime.cpp", "src/python/TestDoubleModule.cpp"]
+
+
+def _build_tests():
+    want = os.environ.get("MYCCL_BUILD_TESTS", "0").strip()
+    if want not in ("0", "1"):
+        sys.exit(f"setup.py: MYCCL_BUILD_TESTS must be 0 or 1, got {want!r}")
+    return want == "1"
 
 
 def _torch_minor():
@@ -156,6 +176,7 @@ def _build_info():
         "torch_version": torch.__version__,
         "torch_minor": _torch_minor(),
         "with_nccl": nccl is not None,
+        "with_test_double": _build_tests(),
         "nccl_build_header": _nccl_header_version() if nccl is not None else None,
         "cxx_flags": cxx_flags,
         "python": sys.version.split()[0],
@@ -202,7 +223,20 @@ setup(
             extra_compile_args={"cxx": cxx_flags},
             extra_link_args=["-Wl,--as-needed"] if nccl is None else [],
         )
-    ],
+    ]
+    + (
+        [
+            CppExtension(
+                name="c10d_ext._test_double",
+                sources=_test_double_sources(),
+                include_dirs=[os.path.join(ROOT, "include"), os.path.join(ROOT, "src")],
+                define_macros=[("MYCCL_TORCH_VERSION", f'"{torch.__version__}"')],
+                extra_compile_args={"cxx": cxx_flags},
+            )
+        ]
+        if _build_tests()
+        else []
+    ),
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
     zip_safe=False,
 )

@@ -69,9 +69,11 @@ _env = _parse_env()
 if _env["trace"]:
     trace.start(_env["trace"])
 
-# C++ messages go to the "c10d_ext" logger: quiet by default (warnings and errors only).
+# C++ messages go to the "c10d_ext" logger. Its level is the application's to set (Python's
+# default shows warnings and errors); only MYCCL_LOG_LEVEL sets one here.
 logger = _logging.getLogger("c10d_ext")
-logger.setLevel(_env["log_level"].upper())
+if _env["log_level"]:
+    logger.setLevel(_env["log_level"].upper())
 _C.set_log_level(logger.getEffectiveLevel())
 _C.set_log_sink(lambda level, msg: logger.log(level, msg))
 _atexit.register(_C.set_log_sink, None)
@@ -171,7 +173,7 @@ def cross_size(group=None) -> int:
 __all__ += ["local_rank", "local_size", "cross_rank", "cross_size"]
 
 
-def survivors(group=None, timeout=None) -> list[int]:
+def survivors(timeout=None, group=None) -> list[int]:
     """After a failure, the ranks of `group` that are still running, the same list on every one.
 
     Collective among the survivors: each calls it (typically where it caught the error of a

@@ -6,34 +6,49 @@ from datetime import timedelta
 from typing import Any
 
 from . import _C
-from .config import BY_FIELD, GROUP_FIELDS, parse_env, torch_env
+from .config import BY_FIELD, GROUP_FIELDS, OPTION_FIELDS, RENAMED_FIELDS, parse_env, torch_env
 
 
-class Options:
-    """Per-group settings, passed as ``pg_options=c10d_ext.Options(...)``.
+def _options_class():
+    import dataclasses
+    import warnings
 
-    Any field left as None takes its value from the MYCCL_* environment variable (see
-    ``c10d_ext.config``). Unknown fields raise, so a typo never silently does nothing.
-    """
+    fields = [(name, Any, dataclasses.field(default=None)) for name in GROUP_FIELDS]
+    base = dataclasses.make_dataclass("Options", fields, slots=True, repr=False)
 
-    __slots__ = tuple(GROUP_FIELDS)
+    class Options(base):
+        """Per-group settings, passed as ``pg_options=c10d_ext.Options(...)``.
 
-    def __init__(self, **fields: Any) -> None:
-        for name in self.__slots__:
-            object.__setattr__(self, name, None)
-        for name, value in fields.items():
-            setattr(self, name, value)
+        One field per MYCCL_* variable of a group (docs/CONFIG.md), named after it without
+        ``MYCCL_`` in lower case: ``Options(transport="tcp", num_threads=2)``. A field left as None
+        takes its value from the environment variable. Values are validated as the variables are;
+        an unknown field raises, so a typo never silently does nothing.
+        """
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name not in GROUP_FIELDS:
-            raise AttributeError(
-                f"myccl: Options has no field {name!r}; known fields: {', '.join(sorted(GROUP_FIELDS))}"
-            )
-        object.__setattr__(self, name, value)
+        __slots__ = ()
 
-    def __repr__(self) -> str:
-        set_fields = {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}
-        return f"c10d_ext.Options({', '.join(f'{k}={v!r}' for k, v in set_fields.items())})"
+        def __init__(self, **fields: Any) -> None:
+            for old, new in RENAMED_FIELDS.items():
+                if old in fields:
+                    warnings.warn(f"c10d_ext.Options({old}=...) is now Options({new}=...), after MYCCL_"
+                                  f"{new.upper()}", FutureWarning, stacklevel=2)
+                    fields[new] = fields.pop(old)
+            unknown = sorted(set(fields) - set(GROUP_FIELDS))
+            if unknown:
+                raise TypeError(f"myccl: Options has no field {unknown[0]!r}; known fields: "
+                                f"{', '.join(OPTION_FIELDS)}")
+            super().__init__(**fields)
+
+        def __repr__(self) -> str:
+            set_fields = {k: getattr(self, k) for k in GROUP_FIELDS if getattr(self, k) is not None}
+            return f"c10d_ext.Options({', '.join(f'{k}={v!r}' for k, v in set_fields.items())})"
+
+    Options.__module__ = __name__
+    Options.__qualname__ = "Options"
+    return Options
+
+
+Options = _options_class()
 
 
 def make_config(options: Options | None = None, environ: dict | None = None) -> _C.Config:
@@ -43,7 +58,7 @@ def make_config(options: Options | None = None, environ: dict | None = None) -> 
             raise TypeError(
                 f"myccl: pg_options must be a c10d_ext.Options, got {type(options).__name__}"
             )
-        for field in Options.__slots__:
+        for field in GROUP_FIELDS:
             v = getattr(options, field)
             if v is not None:
                 # Same validation as the environment: go through the variable's parser.
@@ -60,12 +75,22 @@ def make_config(options: Options | None = None, environ: dict | None = None) -> 
     return cfg
 
 
+def _sync_log_level() -> None:
+    """C++ filters its messages by the 'c10d_ext' logger's effective level, read when the package is
+    imported and again whenever a group is made, so an application that configures logging after
+    importing c10d_ext is heard."""
+    import logging
+
+    _C.set_log_level(logging.getLogger("c10d_ext").getEffectiveLevel())
+
+
 def create_backend(dist_opts: Any, pg_options: Any = None) -> _C.MycclBackend:
     """torch.distributed's extended-API creator: (DistributedBackendOptions, pg_options)."""
     timeout = dist_opts.timeout
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     cfg = make_config(pg_options)
+    _sync_log_level()
     ranks = list(dist_opts.global_ranks_in_group)
     return _C.MycclBackend(
         dist_opts.store,

@@ -1,8 +1,10 @@
 """Every MYCCL_* environment variable, parsed and validated in one place.
 
 C++ never reads the environment: the backend creator turns these values (overridden by any
-field set on ``c10d_ext.Options``) into one ``_C.Config`` per process group. ``python -m
-c10d_ext.info`` prints this table with the values in effect.
+field set on ``c10d_ext.Options``) into one ``_C.Config`` per process group. A variable's
+``Options`` field is its name without ``MYCCL_``, in lower case. ``python -m c10d_ext.info``
+prints this table with the values in effect, and docs/CONFIG.md is generated from it
+(``python scripts/gen_config_doc.py``; a test checks that it is current).
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ CPP = _CppDefault()
 @dataclass(frozen=True)
 class Var:
     name: str
-    field: str  # attribute of _C.Config / c10d_ext.Options
     parse: Callable[[str], Any]
     meaning: str
     cpp: bool = True  # False: read by the Python side only (not a per-group option)
     python_default: Any = CPP  # only for cpp=False variables
+    show: Callable[[Any], str] = str  # a parsed value in the words users write
+    public: bool = True  # False: a testing knob, left out of Options' docs, CONFIG.md and info
+
+    @property
+    def field(self) -> str:
+        """The attribute of _C.Config and c10d_ext.Options: the name without MYCCL_, lower case."""
+        return self.name[len("MYCCL_"):].lower()
 
     @property
     def default(self) -> Any:
@@ -38,6 +46,33 @@ class Var:
         from . import _C
 
         return getattr(_C.Config(), self.field)
+
+
+def _show_bool(v: Any) -> str:
+    return "1" if v else "0"
+
+
+def _show_auto_bool(v: Any) -> str:
+    return "auto" if v == -1 else _show_bool(v)
+
+
+def _show_bytes(v: Any) -> str:
+    for suffix, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if v and v % m == 0:
+            return f"{v // m}{suffix}"
+    return str(v)
+
+
+def _show_stream_bytes(v: Any) -> str:
+    return {-1: "auto", 0: "off"}.get(v) or _show_bytes(v)
+
+
+def _show_debug(v: Any) -> str:
+    return "DETAIL" if v else "OFF"
+
+
+def _show_str(v: Any) -> str:
+    return v if v else "(unset)"
 
 
 def _bool(s: str) -> bool:
@@ -104,9 +139,9 @@ def _choice(*options: str) -> Callable[[str], str]:
 
 def _debug(s: str) -> bool:
     v = s.strip().upper()
-    if v in ("", "OFF", "0", "INFO", "WARN"):
+    if v in ("", "OFF", "0", "FALSE", "INFO", "WARN"):
         return False
-    if v == "DETAIL":
+    if v in ("DETAIL", "1", "TRUE"):
         return True
     raise ValueError("expected OFF, INFO or DETAIL")
 
@@ -116,117 +151,101 @@ def _str(s: str) -> str:
 
 
 VARS: list[Var] = [
-    Var("MYCCL_TRANSPORT", "transport", _choice("auto", "tcp", "shm"),
+    Var("MYCCL_TRANSPORT", _choice("auto", "tcp", "shm"),
         "auto: shared memory between ranks of one host, TCP across hosts; tcp: TCP everywhere; "
         "shm: shared memory only (error if a peer is on another host)"),
-    Var("MYCCL_SOCKET_IFNAME", "socket_ifname", _str,
+    Var("MYCCL_SOCKET_IFNAME", _str,
         "interfaces for TCP, NCCL style: 'eth0', 'eth,ib' (prefixes), '=eth0' (exact), '^docker,lo' "
-        "(exclude). Default: the interface that routes to MASTER_ADDR (loopback if all ranks share a host)"),
-    Var("MYCCL_HOST_ID", "host_id", _str,
-        "overrides this process's host identity (ranks with equal identities use shared memory)"),
-    Var("MYCCL_HIERARCHICAL", "hierarchical", _auto_bool,
+        "(exclude). Default: the interface that routes to MASTER_ADDR (loopback if all ranks share a host)", show=_show_str),
+    Var("MYCCL_HOST_ID", _str,
+        "overrides this process's host identity (ranks with equal identities use shared memory)", show=_show_str),
+    Var("MYCCL_HIERARCHICAL", _auto_bool,
         "groups spanning hosts where some host holds several ranks: two levels, shared memory inside "
         "each host and TCP between hosts (1), every rank over TCP (0), or whichever the link measured "
         "at the group's first such op favours (auto: two levels unless the link carries a host's bytes "
         "faster than its ranks exchange them through shared memory; c10d_ext.link_model() says what "
-        "was measured and chosen)"),
-    Var("MYCCL_LINK_MBIT", "link_mbit", _int(0),
+        "was measured and chosen)", show=_show_auto_bool),
+    Var("MYCCL_LINK_MBIT", _int(0),
         "groups spanning hosts, MYCCL_HIERARCHICAL=auto: each host's network link in Mbit/s, declared "
         "instead of measured (0: measure it once per group)"),
-    Var("MYCCL_FLOAT32_PARTIALS", "float32_partials", _bool,
+    Var("MYCCL_FLOAT32_PARTIALS", _bool,
         "groups spanning hosts, hierarchical: float16/bfloat16 all_reduce and reduce_scatter carry each "
         "host's partial sums across hosts in float32, rounded once at the end (1), or rounded to their own "
-        "type first (0: half the bytes of the cross-host sums, one more rounding, still fewer than a ring's)"),
-    Var("MYCCL_CROSS_HOST_RING", "cross_host_ring", _bool,
+        "type first (0: half the bytes of the cross-host sums, one more rounding, still fewer than a ring's)", show=_show_bool),
+    Var("MYCCL_CROSS_HOST_RING", _bool,
         "groups spanning hosts: large all_gathers (and the all-gather half of all_reduce), and large sums "
         "whose order may change (integers; floats with MYCCL_ORDERED_SUMS=0), go around a ring of ranks, "
         "each sending only to the next, so that each link carries one stream each way (1), or every rank "
-        "sends to every other at once (0; integer all_reduces of 4+ ranks above 1 MiB keep their ring)"),
-    Var("MYCCL_ORDERED_SUMS", "ordered_sums", _bool,
+        "sends to every other at once (0; integer all_reduces of 4+ ranks above 1 MiB keep their ring)", show=_show_bool),
+    Var("MYCCL_ORDERED_SUMS", _bool,
         "floating-point all_reduce and reduce_scatter fold the ranks' values in rank order, the same bits "
         "whatever the algorithm and layout of the group (1), or, across hosts, large ones may go around the "
         "ring of MYCCL_CROSS_HOST_RING, folding each slice starting at another rank: every rank still gets the "
-        "same bits, but not those of a rank-order sum, and float16/bfloat16 partials round at every hop (0)"),
-    Var("MYCCL_SPLIT_LINKS", "split_shares_links", _bool,
+        "same bits, but not those of a rank-order sum, and float16/bfloat16 partials round at every hop (0)", show=_show_bool),
+    Var("MYCCL_SPLIT_LINKS", _bool,
         "groups made by split_group (device meshes) carry their messages over the connections of the "
         "group they were split from, each on its own channel (1), or make connections of their own (0): "
         "slower to create, more sockets and threads, but a failure with a transfer in flight can never "
-        "close the parent's links"),
-    Var("MYCCL_NUM_THREADS", "num_threads", _int(1, 64),
+        "close the parent's links", show=_show_bool),
+    Var("MYCCL_NUM_THREADS", _int(1, 64),
         "threads one group may use for copies and reductions, the progress thread included"),
-    Var("MYCCL_DEBUG", "debug_detail", _debug,
-        "DETAIL: check every op's fingerprint (op, sizes, dtype, root) across ranks before running it"),
-    Var("MYCCL_TCP_EAGER_BYTES", "tcp_eager_bytes", _bytes,
-        "TCP messages up to this size are sent at once; larger ones wait until the receiver is ready"),
-    Var("MYCCL_LOCAL_EAGER_BYTES", "local_eager_bytes", _bytes,
+    Var("MYCCL_DEBUG", _debug,
+        "DETAIL: check every op's fingerprint (op, sizes, dtype, root) across ranks before running it", show=_show_debug),
+    Var("MYCCL_TCP_EAGER_BYTES", _bytes,
+        "TCP messages up to this size are sent at once; larger ones wait until the receiver is ready", show=_show_bytes),
+    Var("MYCCL_LOCAL_EAGER_BYTES", _bytes,
         "point-to-point messages to a rank on this host up to this size (4 MiB at most) are sent at "
         "once through one of 4 shared-memory slots per peer (from 16 KiB, when one is free; each "
         "slot gets its pages on first use); larger ones, and those that find no free slot, are "
-        "copied straight out of the sender's memory once the receiver is ready. Same on every rank"),
-    Var("MYCCL_COPY_THREADS", "copy_threads", _int(1, 16),
+        "copied straight out of the sender's memory once the receiver is ready. Same on every rank", show=_show_bytes),
+    Var("MYCCL_COPY_THREADS", _int(1, 16),
         "threads that copy one large message from a rank on this host (from 1 MiB); its sender is "
         "blocked meanwhile, so a second thread runs on the core the sender leaves idle (1: the "
         "receiving thread alone)"),
-    Var("MYCCL_SOCKETS_PER_PEER", "sockets_per_peer", _int(1, 16),
+    Var("MYCCL_SOCKETS_PER_PEER", _int(1, 16),
         "sockets a large TCP message (from 512 KiB) to a rank on another host is spread over, each "
         "with its own thread, so several cores share the kernel's work for one stream (1: the one "
         "socket); every rank must use the same value"),
-    Var("MYCCL_TCP_CHUNK_BYTES", "tcp_chunk_bytes", _bytes,
-        "segment size for pipelined TCP algorithms"),
-    Var("MYCCL_SHM_BUFFER_BYTES", "shm_buffer_bytes", _bytes,
-        "size of each of the two shared-memory staging buffers per rank (the pipeline chunk)"),
-    Var("MYCCL_STREAM_STORE_BYTES", "stream_store_bytes", _stream_bytes,
+    Var("MYCCL_TCP_CHUNK_BYTES", _bytes,
+        "segment size for pipelined TCP algorithms", show=_show_bytes),
+    Var("MYCCL_SHM_BUFFER_BYTES", _bytes,
+        "size of each of the two shared-memory staging buffers per rank (the pipeline chunk)", show=_show_bytes),
+    Var("MYCCL_STREAM_STORE_BYTES", _stream_bytes,
         "results of at least this many bytes are written into the caller's tensors with streaming "
-        "(cache-bypassing) stores; auto (-1): the last-level cache's size; off (0): never"),
-    Var("MYCCL_SPIN_US", "spin_us", _int(-1),
+        "(cache-bypassing) stores; auto (-1): the last-level cache's size; off (0): never", show=_show_stream_bytes),
+    Var("MYCCL_SPIN_US", _int(-1),
         "how long a waiting thread spins before sleeping, in microseconds (-1: adapt to ranks per core); "
         "a point-to-point wait() yields its core for that long instead (-1: 50)"),
-    Var("MYCCL_FLIGHT_RECORDER", "flight_recorder_entries", _int(0),
+    Var("MYCCL_FLIGHT_RECORDER", _int(0),
         "ops each group remembers for the flight recorder (0 turns it off); dumped on a timeout, "
         "a fatal error, SIGUSR1 or c10d_ext.trace.dump()"),
-    Var("MYCCL_FLIGHT_RECORDER_DUMP", "flight_recorder_dump", _str,
-        "directory for flight recorder dumps (one JSON file per group and rank)"),
-    Var("MYCCL_TRACE", "trace", _str,
+    Var("MYCCL_FLIGHT_RECORDER_DUMP", _str,
+        "directory for flight recorder dumps (one JSON file per group and rank)", show=_show_str),
+    Var("MYCCL_TRACE", _str,
         "path prefix: write a Chrome-trace timeline per rank to <prefix>.rank<R>.json at exit", cpp=False,
-        python_default=""),
-    Var("MYCCL_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"),
-        "level of the 'c10d_ext' Python logger (C++ messages are routed there)", cpp=False,
-        python_default="warning"),
-    Var("MYCCL_TEST_CONNECT_DELAY_MS", "test_connect_delay_ms", _int(0),
-        "testing only: pause before connecting the TCP mesh (lets tests knock on a listener)"),
-    Var("MYCCL_BLOCKING_WAIT", "blocking_wait", _bool,
-        "CUDA: Work.wait() blocks the host and raises on timeout instead of ordering streams"),
-    Var("MYCCL_AVOID_RECORD_STREAMS", "avoid_record_streams", _bool,
-        "CUDA: keep tensors alive by holding them in the Work instead of recordStream"),
-    Var("MYCCL_HIGH_PRIORITY_STREAM", "high_priority_stream", _bool,
-        "CUDA: run NCCL on a high-priority stream"),
-    Var("MYCCL_NCCL_NONBLOCKING", "nccl_nonblocking", _bool,
+        python_default="", show=_show_str),
+    Var("MYCCL_LOG_LEVEL", _choice("", "debug", "info", "warning", "error"),
+        "sets the level of the 'c10d_ext' Python logger, to which C++ messages go; unset, the "
+        "application's logging configuration decides (Python's default shows warnings and errors)",
+        cpp=False, python_default="", show=_show_str),
+    Var("MYCCL_TEST_CONNECT_DELAY_MS", _int(0),
+        "testing only: pause before connecting the TCP mesh (lets tests knock on a listener)", public=False),
+    Var("MYCCL_BLOCKING_WAIT", _bool,
+        "CUDA: Work.wait() blocks the host and raises on timeout instead of ordering streams", show=_show_bool),
+    Var("MYCCL_AVOID_RECORD_STREAMS", _bool,
+        "CUDA: keep tensors alive by holding them in the Work instead of recordStream", show=_show_bool),
+    Var("MYCCL_HIGH_PRIORITY_STREAM", _bool,
+        "CUDA: run NCCL on a high-priority stream", show=_show_bool),
+    Var("MYCCL_NCCL_NONBLOCKING", _bool,
         "CUDA: nonblocking NCCL communicators: creation and every launch can be abandoned at the timeout "
-        "or by abort(), at the price of host polling per op (default 0: blocking, as torch's nccl)"),
-    Var("MYCCL_ASYNC_ERROR_HANDLING", "async_error_handling", _int(0, 3),
+        "or by abort(), at the price of host polling per op (default 0: blocking, as torch's nccl)", show=_show_bool),
+    Var("MYCCL_ASYNC_ERROR_HANDLING", _int(0, 3),
         "CUDA: what a timed-out or failed op does, as TORCH_NCCL_ASYNC_ERROR_HANDLING (read when this one "
         "is unset): 3 take the process down without aborting NCCL, 1 abort NCCL then take it down, 2 abort "
         "NCCL and raise from the group's ops, 0 raise and leave NCCL alone. MYCCL_BLOCKING_WAIT=1 raises in "
         "wait() and takes nothing down"),
-    Var("MYCCL_ENABLE_TIMING", "enable_timing", _bool,
-        "CUDA: record a start event per op, so Work durations are the op's time on the device"),
-    Var("MYCCL_TEST_CUDA_DOUBLE", "test_cuda_double", _bool,
-        "testing only: run the CUDA engine on the strict host double instead of a GPU (CPU tensors stand "
-        "for CUDA tensors)"),
-    Var("MYCCL_TEST_CUDA_DOUBLE_DEVICES", "test_cuda_double_devices", _int(1, 64),
-        "testing only: devices the double simulates"),
-    Var("MYCCL_TEST_CUDA_DOUBLE_SEED", "test_cuda_double_seed", _int(0),
-        "testing only: seed of the double's random stream delays (0: from the clock)"),
-    Var("MYCCL_TEST_CUDA_DOUBLE_DELAY_US", "test_cuda_double_delay_us", _int(0),
-        "testing only: the double delays each stream item by up to this many microseconds"),
-    Var("MYCCL_TEST_CUDA_DOUBLE_EAGER_BYTES", "test_cuda_double_eager_bytes", _bytes,
-        "testing only: the double's sends up to this size complete without a posted receive (NCCL's buffering)"),
-    Var("MYCCL_TEST_CUDA_DOUBLE_HANG_MS", "test_cuda_double_hang_ms", _int(1),
-        "testing only: the double reports a wait longer than this as a hang"),
-    Var("MYCCL_TEST_CUDA_DOUBLE_CAPABILITY", "test_cuda_double_capability", _int(10, 999),
-        "testing only: the compute capability of the double's devices (90: 9.0)"),
-    Var("MYCCL_TEST_CUDA_DOUBLE_ABORT_MS", "test_cuda_double_abort_ms", _int(0),
-        "testing only: the double's ncclCommAbort returns this long after its kernels stopped (as NCCL's does)"),
+    Var("MYCCL_ENABLE_TIMING", _bool,
+        "CUDA: record a start event per op, so Work durations are the op's time on the device", show=_show_bool),
 ]
 
 # Variables that fall back to torch's own name for the same setting when ours is unset.
@@ -235,6 +254,11 @@ TORCH_FALLBACKS = {"MYCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLIN
 BY_NAME = {v.name: v for v in VARS}
 BY_FIELD = {v.field: v for v in VARS}
 GROUP_FIELDS = [v.field for v in VARS if v.cpp]
+# Options fields for users: per-group variables that are not testing knobs.
+OPTION_FIELDS = [v.field for v in VARS if v.cpp and v.public]
+# Options' names before they followed their variables' (still accepted, with a FutureWarning).
+RENAMED_FIELDS = {"split_shares_links": "split_links", "flight_recorder_entries": "flight_recorder",
+                  "debug_detail": "debug"}
 
 
 def parse_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:
@@ -268,12 +292,43 @@ def torch_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:
     return {"master_addr": env.get("MASTER_ADDR", ""), "restart_count": restart}
 
 
-def describe(environ: os._Environ | dict | None = None) -> list[tuple[str, str, str, str]]:
-    """(name, value in effect, default, meaning) for every variable."""
+def describe(environ: os._Environ | dict | None = None, all_vars: bool = False) -> list[tuple[str, str, str, str]]:
+    """(name, value in effect, default, meaning) for every variable, values in the words users
+    write ("auto", "64K", "DETAIL"); testing knobs only when set (or with all_vars)."""
     env = os.environ if environ is None else environ
     values = parse_env(env)
     rows = []
     for var in VARS:
-        shown = repr(values[var.field]) + ("" if var.name in env else " (default)")
-        rows.append((var.name, shown, repr(var.default), var.meaning))
+        if not var.public and not all_vars and var.name not in env:
+            continue
+        shown = var.show(values[var.field]) + ("" if var.name in env else " (default)")
+        rows.append((var.name, shown, var.show(var.default), var.meaning))
     return rows
+
+
+def markdown() -> str:
+    """docs/CONFIG.md: every public variable with its default and meaning."""
+    lines = [
+        "# Configuration",
+        "",
+        "Generated from `c10d_ext/config.py` by `python scripts/gen_config_doc.py`; do not edit by hand",
+        "(`tests/test_config.py` checks that it is current).",
+        "",
+        "Every variable is read once per process group, when the group is made. Each is also a field of",
+        "`c10d_ext.Options`, named after it without `MYCCL_` in lower case, which overrides it for one",
+        "group: `dist.init_process_group(\"myccl\", pg_options=c10d_ext.Options(transport=\"tcp\"))`",
+        "(`MYCCL_TRACE` and `MYCCL_LOG_LEVEL` are per process). `python -m c10d_ext.info` prints the",
+        "values in effect.",
+        "",
+        "| variable | `Options` field | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for var in VARS:
+        if not var.public:
+            continue
+        field = f"`{var.field}`" if var.cpp else "(per process)"
+        meaning = var.meaning.replace("|", "\\|")
+        lines.append(f"| `{var.name}` | {field} | `{var.show(var.default)}` | {meaning} |")
+    fallbacks = ", ".join(f"`{ours}` falls back to `{theirs}`" for ours, theirs in TORCH_FALLBACKS.items())
+    lines += ["", f"Where ours is unset, torch's name for the same setting is read: {fallbacks}.", ""]
+    return "\n".join(lines)

@@ -7,6 +7,7 @@
 #   PYTHON       interpreter for a new venv (default python3)
 #   VENV         the venv (default .venv)
 #   MYCCL_WITH_NCCL  0: no NCCL engine; 1: require it; unset: build it when torch is a CUDA build
+#   MYCCL_BUILD_TESTS  1 (default here): also build c10d_ext._test_double, the CUDA test double
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,5 +52,6 @@ fi
 
 # The extension: torch's BuildExtension with ninja, against the venv's torch (objects are kept
 # per torch version under build/, so switching back and forth recompiles nothing).
-MAX_JOBS=${MAX_JOBS:-$(nproc)} "$VPY" -m pip install -q --no-build-isolation --no-deps -e .
+MYCCL_BUILD_TESTS=${MYCCL_BUILD_TESTS:-1} MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+  "$VPY" -m pip install -q --no-build-isolation --no-deps -e .
 "$VPY" -c "import c10d_ext, json; print('c10d_ext built:', json.dumps(c10d_ext.build_info()))"

@@ -1,18 +1,33 @@
 // The one place that knows whether this build has the real CUDA runtime (MYCCL_WITH_NCCL, set by
 // setup.py when torch is a CUDA build and NCCL's header is found) and that picks the Runtime a
-// CUDA engine runs on: real GPUs, or the strict host double for tests.
+// CUDA engine runs on: real GPUs, or a test runtime a test-only extension installed.
 #include "myccl/Engine.hpp"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <atomic>
+#include <mutex>
+
 #include "myccl/Errors.hpp"
 #include "myccl/cuda/NcclEngine.hpp"
-#include "myccl/cuda/double/CudaDouble.hpp"
 #ifdef MYCCL_WITH_NCCL
 #include "myccl/cuda/RealRuntime.hpp"
 #endif
 
 namespace myccl {
+
+namespace {
+
+std::mutex testRuntimeMu;
+std::shared_ptr<TestRuntime> installedTestRuntime;
+std::atomic<bool> haveTestRuntime{false};
+
+std::shared_ptr<TestRuntime> testRuntime() {
+  std::lock_guard<std::mutex> lk(testRuntimeMu);
+  return installedTestRuntime;
+}
+
+}  // namespace
 
 bool cudaEngineBuilt() {
 #ifdef MYCCL_WITH_NCCL
@@ -22,16 +37,14 @@ bool cudaEngineBuilt() {
 #endif
 }
 
-std::shared_ptr<cuda::testdouble::Machine> cudaDoubleMachine(const Config& cfg) {
-  cuda::testdouble::Options o;
-  o.devices = cfg.testCudaDoubleDevices;
-  o.seed = static_cast<uint64_t>(cfg.testCudaDoubleSeed);
-  o.maxDelayUs = cfg.testCudaDoubleDelayUs;
-  o.eagerBytes = cfg.testCudaDoubleEagerBytes;
-  o.hangMs = cfg.testCudaDoubleHangMs;
-  o.computeCapability = cfg.testCudaDoubleCapability;
-  o.abortTailMs = cfg.testCudaDoubleAbortMs;
-  return cuda::testdouble::machine(o);
+void installTestRuntime(std::shared_ptr<TestRuntime> runtime) {
+  std::lock_guard<std::mutex> lk(testRuntimeMu);
+  installedTestRuntime = std::move(runtime);
+  haveTestRuntime.store(installedTestRuntime != nullptr, std::memory_order_release);
+}
+
+bool testRuntimeInstalled() {
+  return haveTestRuntime.load(std::memory_order_acquire);
 }
 
 std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_ptr<c10d::Store> store,
@@ -39,9 +52,8 @@ std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_
                                        const Config& cfg, std::chrono::milliseconds timeout,
                                        std::shared_ptr<AbortHooks> hooks, std::shared_ptr<Recorder> recorder) {
   cuda::Runtime rt;
-  if (cfg.testCudaDouble) {
-    rt = cuda::testdouble::runtime(cudaDoubleMachine(cfg),
-                                   c10::make_intrusive<c10d::PrefixStore>(keyPrefix + "double/", store));
+  if (auto test = testRuntime()) {
+    rt = test->make(c10::make_intrusive<c10d::PrefixStore>(keyPrefix + "double/", store));
   } else {
 #ifdef MYCCL_WITH_NCCL
     rt = cuda::realRuntime();

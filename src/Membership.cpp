@@ -1,7 +1,8 @@
 // Groups made from a group: split (torch's split_group; NCCL communicators split by NCCL), merge,
-// and going on after a failure without a relaunch: which ranks are still there (survivors) and a
-// new group of them (shrink). Survivors and shrink meet through the group's store, never through
-// its links, which a failure closes.
+// and going on after a failure without a relaunch: which ranks are still there (survivors, whose
+// protocol is the CPU engine's: cpu/Survivors.cpp) and a new group of them (shrink); torch's
+// reconfigure. Survivors and shrink meet through the group's store, never through its links,
+// which a failure closes.
 #include <algorithm>
 #include <set>
 #include <sstream>
@@ -17,21 +18,6 @@
 namespace myccl {
 
 namespace {
-
-std::string joinRanks(const std::vector<int>& ranks) {
-  std::string s;
-  for (int r : ranks) s += (s.empty() ? "" : ",") + std::to_string(r);
-  return s;
-}
-
-std::vector<int> parseRanks(const std::vector<uint8_t>& bytes) {
-  std::vector<int> out;
-  std::stringstream in(std::string(bytes.begin(), bytes.end()));
-  std::string item;
-  while (std::getline(in, item, ','))
-    if (!item.empty()) out.push_back(std::stoi(item));
-  return out;
-}
 
 std::vector<uint8_t> toBytes(const std::string& s) {
   return {s.begin(), s.end()};
@@ -58,19 +44,14 @@ c10::intrusive_ptr<c10d::Backend> MycclBackend::split(const c10::intrusive_ptr<c
   // communicators with the lowest rank of each new group as its color, which every member agrees
   // on and no other group of this split has (their ranks do not overlap).
   std::shared_ptr<SplitParts> parts;
-  std::shared_ptr<Engine> cuda;
-  {
-    std::lock_guard<std::mutex> lk(cudaMu_);
-    cuda = cuda_;
-  }
-  if (cuda) {
+  if (auto cuda = engines_.cudaIfMade()) {
     const int color = myIndex < 0 ? -1 : *std::min_element(ranks.begin(), ranks.end());
     parts = cuda->splitParts(color, myIndex, timeout);
   }
   // The CPU side lends its links on a channel of their own (every rank of this group takes the
   // next one, members or not, so all agree), or the new group makes links of its own.
   cpu::SplitSource source;
-  if (cpu_) source = cpu_->splitSource();
+  if (auto cpu = engines_.cpuIfAny()) source = cpu->splitSource();
   if (myIndex < 0) return nullptr;  // not a member: no group, as torch expects
   std::vector<int64_t> members;
   for (int r : ranks) members.push_back(globalRanks_.empty() ? r : globalRanks_[r]);
@@ -80,12 +61,12 @@ c10::intrusive_ptr<c10d::Backend> MycclBackend::split(const c10::intrusive_ptr<c
     // No store round trip: its shared memory, if any, meets over the parent's links (splitGroupLinks).
     makeCpu = [&](std::shared_ptr<Recorder> recorder) {
       auto links = cpu::splitGroupLinks(*store, source, ranks, myIndex, timeout, name, cfg_);
-      return std::make_unique<cpu::CpuEngine>(store, std::move(links), name, cfg_, std::move(recorder));
+      return std::make_shared<cpu::CpuEngine>(store, std::move(links), name, cfg_, std::move(recorder));
     };
   }
   auto child = c10::make_intrusive<MycclBackend>(store, myIndex, static_cast<int>(ranks.size()), timeout, name,
                                                  std::move(members), cfg_, "", false, makeCpu);
-  if (parts) child->cudaEngine("split").adoptSplit(std::move(parts));
+  if (parts) child->engines_.cuda(child->where("split"))->adoptSplit(std::move(parts));
   return child;
 }
 
@@ -101,49 +82,14 @@ c10::intrusive_ptr<c10d::Backend> MycclBackend::merge(const c10::intrusive_ptr<c
   return c10::make_intrusive<MycclBackend>(store, rank, size, timeout, name, std::vector<int64_t>{}, cfg_);
 }
 
-std::vector<int> MycclBackend::vanishedRanks() const {
-  return cpu_ ? cpu_->vanishedRanks() : std::vector<int>{};
-}
-
 std::vector<int> MycclBackend::survivors(std::chrono::milliseconds timeout) {
   const auto w = where("survivors");
   MYCCL_CHECK_ARG(timeout.count() >= 0, w, ": timeout must not be negative, got ", timeout.count(), " ms");
   if (timeout.count() == 0) timeout = timeout_.load();
   // A connection of its own: other threads of this process may be using the group's.
   auto store = store_->clone();
-  const std::string base = cpuEngine("survivors").keyPrefix() + "survivors" + std::to_string(survivorRounds_++) + "/";
-  auto hereKey = [&](int r) { return base + "here/" + std::to_string(r); };
-  // Each rank says it is here, and which ranks it saw die (their links ended without a word):
-  // nobody waits for those, so survivors settle at once when a process was killed, and only a
-  // rank that is silent but not known dead (stalled, or on a host that vanished) costs the timeout.
-  store->set(hereKey(rank_), toBytes(joinRanks(vanishedRanks())));
-  std::vector<bool> here(size_, false), dead(size_, false);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto sleep = std::chrono::milliseconds(1);
-  for (;;) {
-    for (int r = 0; r < size_; ++r) {
-      if (here[r] || !store->check({hereKey(r)})) continue;
-      here[r] = true;
-      for (int d : parseRanks(store->get(hereKey(r))))
-        if (d >= 0 && d < size_) dead[d] = true;
-    }
-    bool settled = true;
-    for (int r = 0; r < size_; ++r) settled = settled && (here[r] || dead[r]);
-    if (settled || std::chrono::steady_clock::now() >= deadline) break;
-    std::this_thread::sleep_for(sleep);
-    sleep = std::min(sleep * 2, std::chrono::milliseconds(20));
-  }
-  // The first rank to settle decides for all, so every rank gets the same list.
-  std::vector<int> mine;
-  for (int r = 0; r < size_; ++r)
-    if (here[r]) mine.push_back(r);
-  const auto verdict = parseRanks(store->compareSet(base + "verdict", {}, toBytes(joinRanks(mine))));
-  if (std::find(verdict.begin(), verdict.end(), rank_) == verdict.end()) {
-    throwDistError("myccl: " + w + ": the other ranks settled on survivors [" + joinRanks(verdict) +
-                   "] before this rank arrived (it came after their timeout of " + std::to_string(timeout.count()) +
-                   " ms); it is not part of the group that goes on");
-  }
-  return verdict;
+  const std::string base = engines_.cpu(w)->keyPrefix() + "survivors" + std::to_string(survivorRounds_++) + "/";
+  return cpu::survivors(*store, base, rank_, size_, vanishedRanks(), timeout, w);
 }
 
 c10::intrusive_ptr<c10d::Backend> MycclBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
@@ -172,10 +118,10 @@ c10::intrusive_ptr<c10d::Backend> MycclBackend::shrink(const std::vector<int64_t
     members.push_back(globalRanks_.empty() ? r : globalRanks_[r]);
   }
   if (shrinkFlags == 1) {
-    for (Engine* e : engines()) e->abort("shrink with SHRINK_ABORT on rank " + std::to_string(rank_));
+    for (auto& e : engines_.all()) e->abort("shrink with SHRINK_ABORT on rank " + std::to_string(rank_));
   }
   const auto timeout = optsOverride ? optsOverride->timeout : timeout_.load();
-  const std::string prefix = cpuEngine("shrink").keyPrefix() + "shrink" + std::to_string(shrinks_++) + "/x" + gone + "/";
+  const std::string prefix = engines_.cpu(w)->keyPrefix() + "shrink" + std::to_string(shrinks_++) + "/x" + gone + "/";
   // This group's store object (not a clone, which would be one more connection per shrink): the new
   // group keeps it alive when torch destroys this one, and nothing here changes its settings.
   return c10::make_intrusive<MycclBackend>(store_, newRank, static_cast<int>(members.size()),
@@ -232,35 +178,32 @@ c10::intrusive_ptr<c10d::Work> MycclBackend::reconfigure(const c10d::Reconfigure
   const int newSize = static_cast<int>(handles.size());
   const auto timeout = opts.timeout.value_or(timeout_.load());
   const std::string prefix = "myccl/reconfigure/" + std::to_string(opts.uuid) + "/";
-  if (newRank == 0) {
-    // A uuid names one membership for good: its keys may still hold an earlier one's addresses.
-    const auto claimed = store_->compareSet(prefix + "claimed", {}, toBytes(mine));
-    MYCCL_CHECK_ARG(std::string(claimed.begin(), claimed.end()) == mine, w, ": uuid ", opts.uuid,
-                    " was already used by another reconfigure; pass a fresh uuid every time");
-  }
-  // The new links first: if a member never comes, this raises (naming it) and the group keeps
-  // what it had. Then the old engines go, without waiting for peers that may be gone.
+  // With every op of the group held off and none in flight: the new links first (if a member
+  // never comes, this raises, naming it, and the group keeps what it had), then the old engines go.
   auto recorder = makeRecorder(newRank, newSize);
-  auto cpu = std::make_unique<cpu::CpuEngine>(store_, newRank, newSize, timeout, group_, cfg_, recorder, prefix);
-  cpu->setAbortHooks(abortHooks_);
-  std::shared_ptr<Engine> oldCuda;
-  {
-    std::lock_guard<std::mutex> lk(cudaMu_);
-    oldCuda = std::move(cuda_);
-  }
-  if (oldCuda) oldCuda->abort("reconfigured with uuid " + std::to_string(opts.uuid));
-  oldCuda.reset();
-  cpu_ = std::move(cpu);  // the old CPU engine closes its links as it goes
-  RecorderRegistry::get().retire(recorder_);
-  recorder_ = std::move(recorder);
-  RecorderRegistry::get().add(recorder_);
-  rank_ = newRank;
-  size_ = newSize;
-  setRanks(std::move(stable));
-  collSeq_ = 0;
-  p2pSeq_ = 0;
-  reconfigureUuid_ = opts.uuid;
-  shutdown_ = false;
+  auto make = [&] {
+    if (newRank == 0) {
+      // A uuid names one membership for good: its keys may still hold an earlier one's addresses.
+      const auto claimed = store_->compareSet(prefix + "claimed", {}, toBytes(mine));
+      MYCCL_CHECK_ARG(std::string(claimed.begin(), claimed.end()) == mine, w, ": uuid ", opts.uuid,
+                      " was already used by another reconfigure; pass a fresh uuid every time");
+    }
+    auto cpu = std::make_shared<cpu::CpuEngine>(store_, newRank, newSize, timeout, group_, cfg_, recorder, prefix);
+    cpu->setAbortHooks(abortHooks_);
+    return cpu;
+  };
+  auto old = engines_.recorder();
+  engines_.replace(w, make, recorder, "reconfigured with uuid " + std::to_string(opts.uuid), [&] {
+    RecorderRegistry::get().retire(old);
+    RecorderRegistry::get().add(recorder);
+    rank_ = newRank;
+    size_ = newSize;
+    setRanks(std::move(stable));
+    collSeq_ = 0;
+    p2pSeq_ = 0;
+    reconfigureUuid_ = opts.uuid;
+    shutdown_ = false;
+  });
   // Done when it returns, as torch's gloo: a completed Work.
   auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
   fut->markCompleted(c10::IValue(std::vector<at::Tensor>()));

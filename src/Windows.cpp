@@ -12,8 +12,9 @@
 namespace myccl {
 
 c10::intrusive_ptr<c10d::Window> MycclBackend::new_window(const std::optional<at::Tensor>& tensor) {
-  cpu::CpuEngine& engine = cpuEngine("new_window");
-  MYCCL_CHECK_ARG(!tensor.has_value() || !tensor->defined() || tensor->device().is_cpu(), where("new_window"),
+  const auto at = where("new_window");
+  auto engine = engines_.cpuOwned(at);
+  MYCCL_CHECK_ARG(!tensor.has_value() || !tensor->defined() || tensor->device().is_cpu(), at,
                   ": windows hold CPU tensors, got one on ", tensor->device());
   auto self = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this);
   auto w = c10::make_intrusive<cpu::MycclWindow>(self, engine, windows_++, timeout_.load(), group_);

@@ -173,6 +173,10 @@ def _worker(rank: int, size: int, store_port: int, conn, env: dict) -> None:
 
     import c10d_ext  # noqa: F401
 
+    if os.environ.get("MYCCL_TEST_CUDA_DOUBLE") == "1":
+        import cuda_double  # the CUDA engine on the strict host double, CPU tensors standing for CUDA
+
+        cuda_double.install()
     conn.send(("ready", None, None))  # the parent starts the first call once every rank is here
     while True:
         try:

@@ -79,7 +79,7 @@ class Report:
         self.checks = 0
         self.failures: list[str] = []
         if mode == "double":
-            from c10d_ext import cuda_double
+            import cuda_double
 
             cuda_double.clear_violations()
 
@@ -104,7 +104,7 @@ class Report:
     def result(self):
         if self.mode == "double":
             # Whatever the engine did that real CUDA/NCCL would hang on or get wrong.
-            from c10d_ext import cuda_double
+            import cuda_double
 
             sync(self.mode)
             for v in cuda_double.violations():
@@ -115,7 +115,7 @@ class Report:
 
 def _device(ctx, mode="gpu", index=None) -> torch.device:
     if mode == "double":
-        from c10d_ext import cuda_double
+        import cuda_double
 
         cuda_double.set_device(ctx.rank % DOUBLE_DEVICES if index is None else index)
         return torch.device("cpu")
@@ -126,7 +126,7 @@ def _device(ctx, mode="gpu", index=None) -> torch.device:
 
 def sync(mode="gpu"):
     if mode == "double":
-        from c10d_ext import cuda_double
+        import cuda_double
 
         cuda_double.synchronize()
     else:

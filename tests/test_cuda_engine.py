@@ -33,7 +33,7 @@ BIG = 1 << 20  # bytes: far above the double's (and NCCL's) buffering, so sends 
 def _counters(mode):
     if mode != "double":
         return None
-    from c10d_ext import cuda_double
+    import cuda_double
 
     return cuda_double.counters()
 
@@ -357,7 +357,8 @@ TEARDOWN_SCRIPT = textwrap.dedent("""
     from datetime import timedelta
     import torch, torch.distributed as dist
     import c10d_ext
-    from c10d_ext import cuda_double
+    import cuda_double
+    cuda_double.install()
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     cuda_double.set_device(0)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
@@ -573,7 +574,7 @@ def test_split_group_on_gpu(run):
 def body_desync_detail(ctx, mode):
     """MYCCL_DEBUG=DETAIL: ranks that call different CUDA collectives get an error naming what
     each called, before NCCL is asked (instead of a hung kernel)."""
-    dev, _ = _init(ctx, mode=mode, timeout=20.0, debug_detail="DETAIL", async_error_handling=2)
+    dev, _ = _init(ctx, mode=mode, timeout=20.0, debug="DETAIL", async_error_handling=2)
     t = _full(8, 1, dev)
     dist.all_reduce(t)  # agreed: runs
     ok = torch.equal(t.cpu(), _full(8, ctx.size, "cpu"))

@@ -109,7 +109,7 @@ def _second_stream(module, mode):
         for p in module.mid.parameters():
             p.register_hook(to_side)
         return lambda: None
-    from c10d_ext import cuda_double
+    import cuda_double
 
     side = cuda_double.new_stream()
     for name, p in module.named_parameters():
@@ -154,7 +154,7 @@ def body_ddp_device(ctx, mode, cfg):
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
     c10d_ext.reset_stats()
     if mode == "double":
-        from c10d_ext import cuda_double
+        import cuda_double
 
     for step in range(STEPS):
         use_branch = extra and (ctx.rank + step) % 2 == 0

@@ -2,7 +2,8 @@
 // variables (and c10d_ext.Options) and hands the result to C++ as one Config, so C++ never reads
 // the environment itself. Each field is declared once, in MYCCL_CONFIG_FIELDS: the struct, its
 // Python binding (c10d_ext._C.Config) and config.py's defaults all come from that list; what a
-// field means is documented with its environment variable in config.py.
+// field means is documented with its environment variable in config.py. A field's Python name is
+// its variable's name without MYCCL_, in lower case (one name per concept).
 #pragma once
 
 #include <cstdint>
@@ -17,12 +18,12 @@
   X(std::string, hostId, "host_id", "")                   /* MYCCL_HOST_ID */                    \
   X(int, hierarchical, "hierarchical", -1)                /* MYCCL_HIERARCHICAL: 1, 0, -1 auto */ \
   X(int64_t, linkMbit, "link_mbit", 0)                    /* MYCCL_LINK_MBIT */                  \
-  X(bool, splitSharesLinks, "split_shares_links", true)   /* MYCCL_SPLIT_LINKS */                \
+  X(bool, splitLinks, "split_links", true)                /* MYCCL_SPLIT_LINKS */                \
   X(bool, float32Partials, "float32_partials", false)     /* MYCCL_FLOAT32_PARTIALS */           \
   X(bool, crossHostRing, "cross_host_ring", true)         /* MYCCL_CROSS_HOST_RING */            \
   X(bool, orderedSums, "ordered_sums", true)              /* MYCCL_ORDERED_SUMS */               \
   X(int, numThreads, "num_threads", 1)                    /* MYCCL_NUM_THREADS */                \
-  X(bool, debugDetail, "debug_detail", false)             /* MYCCL_DEBUG=DETAIL */               \
+  X(bool, debug, "debug", false)                          /* MYCCL_DEBUG=DETAIL */               \
   X(int64_t, tcpEagerBytes, "tcp_eager_bytes", 64 * 1024) /* MYCCL_TCP_EAGER_BYTES */            \
   X(int64_t, localEagerBytes, "local_eager_bytes", 1024 * 1024) /* MYCCL_LOCAL_EAGER_BYTES */    \
   X(int, copyThreads, "copy_threads", 2)                  /* MYCCL_COPY_THREADS */               \
@@ -37,16 +38,8 @@
   X(bool, ncclNonblocking, "nccl_nonblocking", false)     /* MYCCL_NCCL_NONBLOCKING */           \
   X(int, asyncErrorHandling, "async_error_handling", 3)   /* MYCCL_ASYNC_ERROR_HANDLING */       \
   X(bool, enableTiming, "enable_timing", false)           /* MYCCL_ENABLE_TIMING */              \
-  X(bool, testCudaDouble, "test_cuda_double", false)      /* MYCCL_TEST_CUDA_DOUBLE */           \
-  X(int, testCudaDoubleDevices, "test_cuda_double_devices", 2) /* MYCCL_TEST_CUDA_DOUBLE_DEVICES */ \
-  X(int64_t, testCudaDoubleSeed, "test_cuda_double_seed", 0) /* MYCCL_TEST_CUDA_DOUBLE_SEED */    \
-  X(int, testCudaDoubleDelayUs, "test_cuda_double_delay_us", 100) /* MYCCL_TEST_CUDA_DOUBLE_DELAY_US */ \
-  X(int64_t, testCudaDoubleEagerBytes, "test_cuda_double_eager_bytes", 64 * 1024) /* ..._EAGER_BYTES */ \
-  X(int64_t, testCudaDoubleHangMs, "test_cuda_double_hang_ms", 10000) /* MYCCL_TEST_CUDA_DOUBLE_HANG_MS */ \
-  X(int, testCudaDoubleCapability, "test_cuda_double_capability", 90) /* ..._CAPABILITY */        \
-  X(int64_t, testCudaDoubleAbortMs, "test_cuda_double_abort_ms", 100) /* ..._ABORT_MS */          \
   X(int64_t, testConnectDelayMs, "test_connect_delay_ms", 0) /* MYCCL_TEST_CONNECT_DELAY_MS */   \
-  X(int64_t, flightRecorderEntries, "flight_recorder_entries", 128) /* MYCCL_FLIGHT_RECORDER */  \
+  X(int64_t, flightRecorder, "flight_recorder", 128)      /* MYCCL_FLIGHT_RECORDER */            \
   X(std::string, flightRecorderDump, "flight_recorder_dump", "/tmp/myccl_flight_recorder") /* MYCCL_FLIGHT_RECORDER_DUMP */
 
 namespace myccl {

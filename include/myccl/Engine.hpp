@@ -24,9 +24,7 @@ namespace myccl {
 
 namespace cuda {
 class Device;
-}
-namespace cuda::testdouble {
-class Machine;
+struct Runtime;
 }
 
 // What a split hands from a group's engine to the engine of the group split from it (its NCCL
@@ -87,19 +85,34 @@ class Engine {
   virtual void shutdown() = 0;                      // finish queued work, then leave
   virtual bool failed() const = 0;
   virtual bool timedOut() const = 0;
+  // Ops issued and not finished yet (queued, running, or posted point-to-point).
+  virtual size_t inFlight() const { return 0; }
 };
 
 // The CUDA engine of a group (communicators made lazily), or an error naming `where` when this
-// build has no NCCL. With cfg.testCudaDouble it runs on the strict host double instead (tests).
+// build has no NCCL. While a test runtime is installed it runs on that instead.
 // `keyPrefix`: the group incarnation's key space in the store.
 std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_ptr<c10d::Store> store,
                                        const std::string& keyPrefix, int rank, int size, const std::string& group,
                                        const Config& cfg, std::chrono::milliseconds timeout,
                                        std::shared_ptr<AbortHooks> hooks, std::shared_ptr<Recorder> recorder);
-// The process's CUDA test double, made with cfg's MYCCL_TEST_CUDA_DOUBLE_* settings on first use
-// (by the first engine, or by a test selecting a device before any group exists).
-std::shared_ptr<cuda::testdouble::Machine> cudaDoubleMachine(const Config& cfg);
-// Whether this build can run CUDA tensors on a GPU (the double is always there, for tests).
+
+// A CUDA runtime other than the GPU's, for tests: a test-only extension (the strict host double,
+// c10d_ext._test_double, built with MYCCL_BUILD_TESTS=1) installs one per process. From then on
+// every group's CUDA engine runs on it, and CPU tensors stand for CUDA tensors (Engines::route).
+class TestRuntime {
+ public:
+  virtual ~TestRuntime() = default;
+  // The runtime of one CUDA engine; `store`: the engine's own key space in its group's store.
+  virtual cuda::Runtime make(c10::intrusive_ptr<c10d::Store> store) = 0;
+};
+// The name of the PyCapsule that carries a std::shared_ptr<TestRuntime>* from the test extension
+// to _C._install_test_runtime (both built by one setup.py run, from the same headers).
+inline constexpr const char* kTestRuntimeCapsule = "myccl.TestRuntime.v1";
+void installTestRuntime(std::shared_ptr<TestRuntime> runtime);
+bool testRuntimeInstalled();
+
+// Whether this build can run CUDA tensors on a GPU.
 bool cudaEngineBuilt();
 // The version of the libnccl this process loaded ("" without the CUDA engine).
 std::string ncclRuntimeVersion();

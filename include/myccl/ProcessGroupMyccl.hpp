@@ -1,6 +1,11 @@
 // MycclBackend: the c10d::Backend subclass registered as "myccl". It checks arguments (every
 // error names the op, the rank and the offending value), assigns sequence numbers and routes
 // each op to the CPU engine or, for CUDA tensors, to the NCCL engine. It never touches bytes.
+// Its parts: ProcessGroupMyccl.cpp (the ops: checks and one routing line each),
+// backend/Engines.cpp (the engines and the routing rule), backend/Sequence.cpp (op numbering,
+// timeouts, what every Work gets), backend/Hooks.cpp (torch's abort and completion hooks),
+// backend/Coalescing.cpp, backend/Lifecycle.cpp (construction, abort, shutdown, queries) and
+// Membership.cpp (split, merge, shrink, reconfigure, survivors).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -21,6 +26,7 @@
 #include "myccl/Reduction.hpp"
 #include "myccl/Topology.hpp"
 #include "myccl/Work.hpp"
+#include "myccl/backend/Engines.hpp"
 
 namespace myccl {
 
@@ -38,7 +44,7 @@ class MycclBackend final : public c10d::Backend {
   // shrunk group passes the one its members derive from their parent). `reconfigurable`: torch's
   // enable_reconfigure, the group holds no links until reconfigure() names its members.
   // `makeCpu`: builds the CPU engine instead (a split on its parent's links), given the recorder.
-  using CpuMaker = std::function<std::unique_ptr<cpu::CpuEngine>(std::shared_ptr<Recorder>)>;
+  using CpuMaker = std::function<std::shared_ptr<cpu::CpuEngine>(std::shared_ptr<Recorder>)>;
   MycclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
                std::string groupName, std::vector<int64_t> globalRanks, Config cfg, const std::string& keyPrefix = "",
                bool reconfigurable = false, const CpuMaker& makeCpu = nullptr);
@@ -158,7 +164,7 @@ class MycclBackend final : public c10d::Backend {
   // After a failure, among the ranks still running: the group ranks that called this within
   // `timeout` (zero: the group's), the same list on every rank that gets one; ranks this rank's
   // links saw die are not waited for. A rank that arrives after the others settled raises.
-  // Meets through the store (Recovery.cpp), so it works on a group whose links are closed.
+  // Meets through the store (cpu/Survivors.cpp), so it works on a group whose links are closed.
   std::vector<int> survivors(std::chrono::milliseconds timeout);
   // The group ranks whose process this rank's links saw die.
   std::vector<int> vanishedRanks() const;
@@ -178,7 +184,8 @@ class MycclBackend final : public c10d::Backend {
   // position; a set: sorted), which makes the group theirs with a fresh uuid, through this
   // group's store, within the timeout or with an error naming who did not arrive. Members that
   // left or died are simply not named; new processes join with a group of their own made in the
-  // same regime on the same store. The group must be idle; sequence numbers restart.
+  // same regime on the same store. Ops wait while it runs; it raises if one is still in flight
+  // (Engines::replace). Sequence numbers restart.
   bool supportsReconfigure() const override { return true; }
   c10d::ReconfigureHandle get_reconfigure_handle() const override;
   c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
@@ -186,16 +193,16 @@ class MycclBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
                                            const c10::intrusive_ptr<Options>& optsOverride = nullptr);
   // The engine an op sends a (valid) tensor to, by the one rule every op routes with: true for
-  // the CUDA engine (CUDA tensors, and CPU tensors under the CUDA test double). For callers that
-  // must choose between CPU-only and device paths as the backend does (the DDP Reducer).
-  bool onDevice(const at::Tensor& t) const { return !t.device().is_cpu() || cfg_.testCudaDouble; }
+  // the CUDA engine (CUDA tensors, and CPU tensors while a test runtime stands in for CUDA). For
+  // callers that must choose between CPU-only and device paths as the backend does (the Reducer).
+  bool onDevice(const at::Tensor& t) const { return engines_.onDevice(t); }
   // The CUDA engine's device seam (the CUDA runtime, or the test double), the engine made on
   // first use: the DDP Reducer orders its gradient copies with streams and events through it.
   // Raises, as a CUDA op would, when this build has no CUDA engine.
   std::shared_ptr<cuda::Device> cudaDevice();
 
   // For c10d_ext: topology, build and transport details.
-  const Topology& topology() const;
+  Topology topology() const;
   const std::string& groupName() const { return group_; }
   std::chrono::milliseconds timeout() const { return timeout_.load(); }
   std::string describeLinks() const;
@@ -207,30 +214,22 @@ class MycclBackend final : public c10d::Backend {
   // MYCCL_HIERARCHICAL=auto's figures and choice for CPU ops, by name (c10d_ext.link_model); empty
   // until measured.
   std::map<std::string, double> linkModel() const;
-  const std::shared_ptr<Recorder>& recorder() const { return recorder_; }
+  std::shared_ptr<Recorder> recorder() const { return engines_.recorder(); }
   // A coalescing block that torch will never end (its body raised) or that a new block replaced:
   // its held ops fail with `why` and the group leaves coalescing mode. No-op outside a block.
   void abandonCoalescing(const std::string& why);
 
  private:
-  // `op` is torch's name of the op, a string literal (it becomes OpInfo::name).
+  // `op` is torch's name of the op, a string literal (it becomes OpInfo::name). Sequence.cpp.
   OpInfo info(c10d::OpType type, const char* op, std::chrono::milliseconds timeout, bool asyncOp = true,
               bool p2p = false);
+  // What every Work gets on its way out: completion hooks, ephemeral timeouts, the coalescing
+  // block it belongs to.
+  c10::intrusive_ptr<c10d::Work> record(c10::intrusive_ptr<c10d::Work> w);
   std::string where(const char* op) const;
-  // The CPU engine, or an error naming `op` in a reconfigurable group not reconfigured yet.
-  cpu::CpuEngine& cpuEngine(const char* op) const;
   std::shared_ptr<Recorder> makeRecorder(int rank, int size) const;
   void setRanks(std::vector<int64_t> globalRanks);
-  c10::intrusive_ptr<c10d::Work> record(c10::intrusive_ptr<c10d::Work> w);
-  // Which engine: all tensors on CPU, or all on CUDA (with NCCL built); anything else raises.
-  // Under the CUDA test double (cfg.testCudaDouble) CPU tensors stand for CUDA tensors.
-  bool isCuda(const char* op, const std::vector<at::Tensor>& tensors) const;
-  Engine& engineFor(const char* op, const std::vector<at::Tensor>& tensors);
-  Engine& cudaEngine(const char* op);  // made on first use
-  std::vector<Engine*> engines();      // those that exist, CPU first
-  // The device a barrier orders, as torch's nccl picks it: device_ids[0], else the group's bound
-  // device, else the device of the CUDA engine's latest op; none: a CPU barrier.
-  std::optional<at::Device> barrierDevice(const c10d::BarrierOptions& opts);
+  Engines::CudaMaker cudaMaker();
   friend class CoalescingGuard;
 
   const std::string group_;
@@ -241,15 +240,12 @@ class MycclBackend final : public c10d::Backend {
   const Config cfg_;
   std::atomic<std::chrono::milliseconds> timeout_;
   c10::intrusive_ptr<c10d::Store> store_;
-  std::shared_ptr<Recorder> recorder_;
-  std::unique_ptr<cpu::CpuEngine> cpu_;
-  std::shared_ptr<Engine> cuda_;
-  std::mutex cudaMu_;
+  std::shared_ptr<AbortHooks> abortHooks_ = std::make_shared<AbortHooks>();
+  std::shared_ptr<CompletionHooks> completionHooks_ = std::make_shared<CompletionHooks>();
+  Engines engines_;
   std::atomic<uint64_t> collSeq_{0};
   std::atomic<uint64_t> p2pSeq_{0};
   std::atomic<uint64_t> monitoredSeq_{0};  // numbers monitored barriers, apart from the ops
-  std::shared_ptr<AbortHooks> abortHooks_ = std::make_shared<AbortHooks>();
-  std::shared_ptr<CompletionHooks> completionHooks_ = std::make_shared<CompletionHooks>();
   // Ephemeral timeout extensions: each lasts until the first Work created after it completes.
   struct Extension {
     std::chrono::milliseconds extra;
@@ -266,6 +262,19 @@ class MycclBackend final : public c10d::Backend {
   std::atomic<int> shrinks_{0};  // groups shrunk from this one (numbers their key spaces)
   std::atomic<int> survivorRounds_{0};  // survivors() calls (numbers their key spaces)
   uint64_t windows_ = 0;                 // new_window calls (number the windows' tags)
+};
+
+// On every op: an op that raises inside a coalescing block leaves the block with it. torch's
+// coalescing manager never calls end_coalescing when its body raises, and a block left open
+// would hold every later op of the group back for good (backend/Coalescing.cpp).
+class CoalescingGuard {
+ public:
+  explicit CoalescingGuard(MycclBackend* b);
+  ~CoalescingGuard();
+
+ private:
+  MycclBackend* b_;
+  int unwinding_;
 };
 
 }  // namespace myccl

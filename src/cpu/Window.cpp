@@ -212,10 +212,10 @@ void sendToPeer(WindowState& st, int peer, const WindowHeader& hdr, const at::Te
 
 }  // namespace
 
-MycclWindow::MycclWindow(c10::intrusive_ptr<c10d::Backend> backend, CpuEngine& engine, uint64_t id,
+MycclWindow::MycclWindow(c10::intrusive_ptr<c10d::Backend> backend, std::shared_ptr<CpuEngine> engine, uint64_t id,
                          std::chrono::milliseconds timeout, std::string group)
-    : backend_(std::move(backend)), engine_(engine), st_(std::make_shared<WindowState>()) {
-  st_->tp = &engine.transport();
+    : backend_(std::move(backend)), engine_(std::move(engine)), st_(std::make_shared<WindowState>()) {
+  st_->tp = &engine_->transport();
   st_->tagBase = collectiveTagBase(OpCode::Window, id);
   st_->rank = backend_->getRank();
   st_->size = backend_->getSize();
@@ -274,7 +274,7 @@ void MycclWindow::tensor_register(const at::Tensor& tensor, bool owning) {
   }
   // Shared with this host's other ranks when the tensor lives in registered memory
   // (allocate_tensor): they then write into it directly.
-  ShmGroup* shm = engine_.sharedMemory();
+  ShmGroup* shm = engine_->sharedMemory();
   ShmGroup::Region region;
   if (shm != nullptr && nbytes > 0) region = shm->locate(tensor.data_ptr(), static_cast<size_t>(nbytes));
   at::Tensor mine = at::zeros({kDescWords}, at::kLong);
@@ -289,7 +289,7 @@ void MycclWindow::tensor_register(const at::Tensor& tensor, bool owning) {
   std::vector<std::vector<at::Tensor>> outs{all};
   std::vector<at::Tensor> ins{mine};
   backend_->allgather(outs, ins, c10d::AllgatherOptions())->wait();
-  const Topology& topo = engine_.topology();
+  const Topology& topo = engine_->topology();
   std::vector<WindowState::PeerInfo> peers(st_->size);
   for (int r = 0; r < st_->size; ++r) {
     const auto* p = outs[0][r].data_ptr<int64_t>();
@@ -398,7 +398,7 @@ at::Tensor MycclWindow::map_remote_tensor(int64_t rank) {
   const auto& p = st_->peers[rank];
   char* base = rank == st_->rank ? st_->base : p.mapped;
   MYCCL_CHECK_ARG(base != nullptr || p.nbytes == 0, w, ": rank ", rank, "'s window cannot be mapped here (",
-                  engine_.topology().sameHost(static_cast<int>(rank), st_->rank)
+                  engine_->topology().sameHost(static_cast<int>(rank), st_->rank)
                       ? "its tensor is not in shared memory: register one from allocate_tensor()"
                       : "it is on another host",
                   "); use put() and get_attr() says SEPARATE");

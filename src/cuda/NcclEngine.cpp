@@ -341,4 +341,8 @@ bool NcclEngine::timedOut() const {
   return impl_->watchdog->timedOut();
 }
 
+size_t NcclEngine::inFlight() const {
+  return impl_->watchdog->outstanding();
+}
+
 }  // namespace myccl::cuda

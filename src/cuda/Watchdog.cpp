@@ -263,6 +263,17 @@ void Watchdog::throwIfFailed(const OpInfo& info) const {
   }
 }
 
+size_t Watchdog::outstanding() const {
+  std::vector<c10::intrusive_ptr<NcclWork>> works;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    works = tracked_;
+  }
+  size_t n = 0;
+  for (auto& w : works) n += w->isCompleted() ? 0 : 1;
+  return n;
+}
+
 bool Watchdog::failed() const {
   std::lock_guard<std::mutex> lk(mu_);
   return !failure_.empty();

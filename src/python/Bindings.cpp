@@ -260,5 +260,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("_stream_copy_min_bytes", &myccl::cpu::streamCopyMinBytes);
 
   bindReducer(m);
-  bindCudaDouble(m);
+  // For the test-only extension c10d_ext._test_double (Engine.hpp, TestRuntime).
+  m.def("_install_test_runtime", [](py::object capsule) {
+    void* p = PyCapsule_GetPointer(capsule.ptr(), myccl::kTestRuntimeCapsule);
+    if (p == nullptr) throw py::error_already_set();
+    myccl::installTestRuntime(*static_cast<std::shared_ptr<myccl::TestRuntime>*>(p));
+  });
 }

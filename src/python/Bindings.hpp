@@ -4,4 +4,3 @@
 #include <pybind11/pybind11.h>
 
 void bindReducer(pybind11::module& m);
-void bindCudaDouble(pybind11::module& m);

@@ -59,4 +59,12 @@ GroupLinks splitGroupLinks(c10d::Store& store, const SplitSource& parent, const 
 at::Tensor sharedTensor(c10d::Store& store, const std::string& keyPrefix, const Topology& topo, uint64_t serial,
                         const std::vector<int64_t>& shape, at::ScalarType dtype);
 
+// After a failure, among the group's ranks still running (Survivors.cpp): the ranks that called
+// this within `timeout`, the same list on every rank that gets one, meeting under `base` in
+// `store` (never over the group's links, which a failure closes). `vanished`: the ranks this
+// rank saw die, which nobody waits for. A rank that arrives after the others settled raises,
+// naming `where`.
+std::vector<int> survivors(c10d::Store& store, const std::string& base, int rank, int size,
+                           const std::vector<int>& vanished, std::chrono::milliseconds timeout, const std::string& where);
+
 }  // namespace myccl::cpu

@@ -3,6 +3,9 @@
 // point ops bypass the queue (they are posted to the transport at once and never block a
 // collective). The first failed collective closes the transport, so peers fail fast too,
 // and every later op on the group raises the original error instead of hanging.
+// Its parts: Engine.cpp (queue, thread, failure), Collectives.cpp and PointToPoint.cpp (tensors
+// to buffers, per op), Diagnostics.cpp (desync checks, failure text), Memory.cpp (registered and
+// shared tensors), Bootstrap.cpp and Survivors.cpp (meeting through the store).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,6 +25,7 @@
 #include "myccl/Topology.hpp"
 #include "myccl/Work.hpp"
 #include "myccl/cpu/Bootstrap.hpp"
+#include "myccl/cpu/Stats.hpp"
 #include "myccl/cpu/algorithms/LinkModel.hpp"
 #include "myccl/cpu/algorithms/Tags.hpp"
 
@@ -32,25 +36,6 @@ class ShmGroup;
 class Parallel;
 class Scratch;
 struct CollCtx;
-
-// Counts, bytes and time per (op, algorithm). Shared with p2p completion callbacks, which
-// may run after the engine is gone.
-class Stats {
- public:
-  struct Entry {
-    std::string op, algo;
-    uint64_t count = 0;
-    uint64_t bytes = 0;
-    double seconds = 0;
-  };
-  void add(const std::string& op, const std::string& algo, uint64_t bytes, double seconds);
-  std::vector<Entry> snapshot() const;
-  void reset();
-
- private:
-  mutable std::mutex mu_;
-  std::vector<Entry> entries_;
-};
 
 class CpuEngine final : public Engine {
  public:
@@ -81,6 +66,9 @@ class CpuEngine final : public Engine {
   WorkPtr alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                    std::vector<at::Tensor> userInputs = {}) override;
   WorkPtr barrier(OpInfo info, at::Device device = at::kCPU) override;
+  // Sum of sparse COO tensors: every rank's (indices, values) gathered, then coalesced into `t`
+  // (the same op on every rank; an engine op like any other, async when asked).
+  WorkPtr allreduceSparse(OpInfo info, at::Tensor t);
 
   WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag) override;
   WorkPtr recv(OpInfo info, at::Tensor t, int peer, int tag) override;
@@ -100,6 +88,7 @@ class CpuEngine final : public Engine {
   void shutdown() override;
   bool failed() const override;
   bool timedOut() const override;
+  size_t inFlight() const override;
 
   const Topology& topology() const { return topo_; }
   // This incarnation of the group's key space in the store (the same on every rank).
@@ -143,6 +132,8 @@ class CpuEngine final : public Engine {
   std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
   void checkUsable(const OpInfo& info) const;
   void chooseLevels(CollCtx& ctx, OpCode code);
+  // Point-to-point requests posted and not yet complete (inFlight()).
+  std::shared_ptr<std::atomic<int64_t>> p2pInFlight_ = std::make_shared<std::atomic<int64_t>>(0);
 
   c10::intrusive_ptr<c10d::Store> store_;
   const std::string keyPrefix_;
@@ -171,10 +162,12 @@ class CpuEngine final : public Engine {
   std::condition_variable idleCv_;
   std::deque<Op> queue_;
   bool running_ = false;
+  WorkPtr runningWork_;  // the op running_ says runs, until the runner is done with it
   bool stop_ = false;
   std::string failure_;
   bool timedOut_ = false;
-  LinkModel link_;  // written by the op runner under mu_; it alone reads it without
+  LevelChoice levels_;  // used by the op runner alone; linkModel() reads its copy below
+  LinkModel link_;      // levels_.model() as last measured, under mu_
   std::thread thread_;
 };
 

@@ -32,7 +32,7 @@ class MycclWindow final : public c10d::Window {
  public:
   // Collective (Backend::new_window). `backend` runs the window's own collectives (exchanging
   // what each rank registered); `id` numbers the group's windows alike on every rank.
-  MycclWindow(c10::intrusive_ptr<c10d::Backend> backend, CpuEngine& engine, uint64_t id,
+  MycclWindow(c10::intrusive_ptr<c10d::Backend> backend, std::shared_ptr<CpuEngine> engine, uint64_t id,
               std::chrono::milliseconds timeout, std::string group);
   ~MycclWindow() override;
 
@@ -52,7 +52,7 @@ class MycclWindow final : public c10d::Window {
   void checkPeer(const char* op, int64_t peer) const;
   void checkRegistered(const char* op) const;
   c10::intrusive_ptr<c10d::Backend> backend_;
-  CpuEngine& engine_;
+  std::shared_ptr<CpuEngine> engine_;  // the engine the window was made on (a reconfigure may replace the group's)
   std::shared_ptr<WindowState> st_;
 };
 

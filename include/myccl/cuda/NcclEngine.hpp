@@ -72,6 +72,7 @@ class NcclEngine final : public Engine {
   void shutdown() override;
   bool failed() const override;
   bool timedOut() const override;
+  size_t inFlight() const override;
 
   const Runtime& runtime() const;
 

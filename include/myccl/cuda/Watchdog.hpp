@@ -77,6 +77,8 @@ class Watchdog {
   bool failed() const;
   bool timedOut() const;
   std::string failure() const;
+  // Tracked Works not completed yet (a reconfigure refuses to swap engines under them).
+  size_t outstanding() const;
 
   // Waits until no tracked Work is outstanding (each is bounded by its own timeout, which the
   // watchdog enforces) or the group failed. Used by a graceful shutdown.

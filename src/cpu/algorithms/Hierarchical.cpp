@@ -2,7 +2,9 @@
 // the flat algorithms over TCP when a host has no shared memory), between hosts over TCP. Small
 // ops go through one leader per host (its lowest rank; for rooted ops the root stands in for its
 // host); large all_reduce, reduce_scatter and all_gather are striped: local rank i of every host
-// carries slice i across hosts, so every rank and link of a host works at once.
+// carries slice i across hosts, so every rank and link of a host works at once. Which variant
+// runs is Select.cpp's choice; the phases inside a host and across go through the shared-memory
+// and flat families' entry points, which choose their own algorithms there.
 #include "Hierarchical.hpp"
 
 #include <algorithm>
@@ -21,19 +23,6 @@ constexpr uint32_t kStepLeaders = 20;
 // Scratch slots above the flat algorithms' (which the local and cross-host phases also run).
 constexpr int kSlotA = flat::kScratchSlots, kSlotB = kSlotA + 1, kSlotC = kSlotA + 2, kSlotD = kSlotA + 3,
               kSlotWide = kSlotA + 4;
-// From this size all_reduce, reduce_scatter and all_gather are striped across each host's ranks
-// (below it the extra local step costs more than the narrower cross-host messages save).
-constexpr size_t kStripeMinBytes = 256 * 1024;
-// From this size a broadcast across hosts is pipelined in chunks.
-constexpr size_t kPipelineMinBytes = 1024 * 1024;
-
-// Whether a two-level sum of this type carries float32 partials (MYCCL_FLOAT32_PARTIALS). Else
-// each level rounds to the type: across hosts the partials are half the bytes, which is what a
-// link-bound job needs, for one rounding more than a single fold (a ring rounds at every step).
-bool widePartials(const CollCtx& c, DType dt) {
-  return c.float32Partials && (dt == DType::F16 || dt == DType::BF16);
-}
-
 struct Levels {
   std::vector<int> local;    // group ranks on this host
   std::vector<int> leaders;  // one representative per host, by host index
@@ -86,7 +75,7 @@ void localGatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, cons
     if (outs[0] != in && nbytes[0]) std::memcpy(outs[0], in, nbytes[0]);
     return;
   }
-  if (c.shm) return shmalg::allgatherv(c, *c.shm, in, outs, nbytes, true, rootIdx);
+  if (c.shm) return shmalg::gatherv(c, *c.shm, in, outs, nbytes, rootIdx);
   auto lc = c.sub(L.local, L.localIdx);
   flat::gatherv(lc, in, outs, nbytes, rootIdx);
 }
@@ -109,7 +98,7 @@ void localReduceScatterv(CollCtx& c, Levels& L, const void* const* ins, void* ou
 }
 
 void localAllgatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, const size_t* nbytes) {
-  if (c.shm) return shmalg::allgatherv(c, *c.shm, in, outs, nbytes, false, 0);
+  if (c.shm) return shmalg::allgatherv(c, *c.shm, in, outs, nbytes);
   auto lc = c.sub(L.local, L.localIdx);
   flat::allgatherv(lc, in, outs, nbytes);
 }
@@ -159,6 +148,17 @@ void localBarrier(CollCtx& c, Levels& L) {
 bool applies(const CollCtx& c) {
   // Worth it when hosts are several and at least one holds several ranks.
   return c.topo && c.topo->crossSize > 1 && c.topo->crossSize < c.topo->size;
+}
+
+// Else each level rounds to the type: across hosts the partials are half the bytes, which is what
+// a link-bound job needs, for one rounding more than a single fold (a ring rounds at every step).
+bool widePartials(const CollCtx& c, DType dt) {
+  return c.float32Partials && (dt == DType::F16 || dt == DType::BF16);
+}
+
+bool canStripe(const CollCtx& c) {
+  Levels L = levels(c);
+  return L.local.size() > 1 && !stripes(c, L).empty();
 }
 
 namespace {
@@ -224,14 +224,14 @@ void stripedAllreduce(CollCtx& c, Levels& L, const std::vector<int>& peers, void
 }
 
 // Small all_reduces: reduce to one leader per host, all-reduce among leaders, broadcast locally.
-void leaderAllreduce(CollCtx& c, Levels& L, void* buf, size_t count, const ReduceSpec& spec) {
+void leaderAllreduceIn(CollCtx& c, Levels& L, void* buf, size_t count, const ReduceSpec& spec) {
   if (widePartials(c, spec.dtype)) {
     // Two levels would round twice: carry float32 through both and round once at the end.
     float* wide = static_cast<float*>(c.scratch.get(kSlotWide, std::max<size_t>(count, 1) * sizeof(float)));
     toFloat32(spec.dtype, buf, wide, count);
     ReduceSpec w = spec;
     w.dtype = DType::F32;
-    leaderAllreduce(c, L, wide, count, w);
+    leaderAllreduceIn(c, L, wide, count, w);
     fromFloat32(spec.dtype, wide, buf, count);
     return;
   }
@@ -248,53 +248,54 @@ void leaderAllreduce(CollCtx& c, Levels& L, void* buf, size_t count, const Reduc
 
 }  // namespace
 
-void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
+void stripedAllreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   Levels L = levels(c);
-  const size_t nl = L.local.size();
-  if (nl > 1 && count >= nl && count * dtypeSize(spec.dtype) >= kStripeMinBytes) {
-    auto st = stripes(c, L);
-    if (!st.empty()) return stripedAllreduce(c, L, st[L.localIdx], buf, count, spec);
-  }
-  leaderAllreduce(c, L, buf, count, spec);
+  stripedAllreduce(c, L, stripes(c, L)[L.localIdx], buf, count, spec);
 }
 
-void broadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
+void leaderAllreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
+  Levels L = levels(c);
+  leaderAllreduceIn(c, L, buf, count, spec);
+}
+
+void pipelinedBroadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
   Levels L = levels(c, root);
-  if (nbytes >= kPipelineMinBytes) {
-    // Large: chunk by chunk down a chain of hosts from the root's, so each host's link carries
-    // the message once each way (a binomial tree makes the root's carry it log2(hosts) times),
-    // and each host's local broadcast of chunk k overlaps the transfer of the next chunks (the
-    // transport moves them while this thread copies). About eight chunks per hop, so filling the
-    // chain is a small part, each between 256 KiB and the TCP chunk size.
-    const size_t hops = std::max<size_t>(1, L.leaders.size() - 1);
-    const size_t chunk =
-        std::clamp<size_t>(nbytes / (8 * hops), 256 * 1024, std::max<size_t>(c.chunkBytes, 256 * 1024));
-    const size_t nchunks = (nbytes + chunk - 1) / chunk;
-    char* base = static_cast<char*>(buf);
-    auto part = [&](size_t k) { return std::min(chunk, nbytes - k * chunk); };
-    std::vector<RequestPtr> recvs, sends;
-    std::vector<int> children;
-    int parent = -1;
-    auto lc = c.sub(L.leaders, L.hostIdx);
-    if (L.representative) {
-      // The chain: the root's host, then the next hosts in order.
-      const int nh = static_cast<int>(L.leaders.size()), rootHost = c.topo->hostOfRank[root];
-      const int vr = (L.hostIdx - rootHost + nh) % nh;
-      if (vr) parent = (L.hostIdx - 1 + nh) % nh;
-      if (vr + 1 < nh) children.push_back((L.hostIdx + 1) % nh);
-      if (parent >= 0)
-        for (size_t k = 0; k < nchunks; ++k) recvs.push_back(lc.irecv(parent, lc.tag(kStepLeaders), base + k * chunk, part(k)));
-    }
-    const int localRoot = indexIn(L.local, L.leaders[L.hostIdx]);
-    for (size_t k = 0; k < nchunks; ++k) {
-      if (parent >= 0) recvs[k]->wait(c.deadline);
-      for (int h : children) sends.push_back(lc.isend(h, lc.tag(kStepLeaders), base + k * chunk, part(k)));
-      localBroadcast(c, L, base + k * chunk, part(k), localRoot);
-    }
-    waitAll(sends, c.deadline);
-    c.algo = c.shm ? "hierarchical-pipelined-shm-tcp" : "hierarchical-pipelined-tcp";
-    return;
+  // Large: chunk by chunk down a chain of hosts from the root's, so each host's link carries
+  // the message once each way (a binomial tree makes the root's carry it log2(hosts) times),
+  // and each host's local broadcast of chunk k overlaps the transfer of the next chunks (the
+  // transport moves them while this thread copies). About eight chunks per hop, so filling the
+  // chain is a small part, each between 256 KiB and the TCP chunk size.
+  const size_t hops = std::max<size_t>(1, L.leaders.size() - 1);
+  const size_t chunk =
+      std::clamp<size_t>(nbytes / (8 * hops), 256 * 1024, std::max<size_t>(c.chunkBytes, 256 * 1024));
+  const size_t nchunks = (nbytes + chunk - 1) / chunk;
+  char* base = static_cast<char*>(buf);
+  auto part = [&](size_t k) { return std::min(chunk, nbytes - k * chunk); };
+  std::vector<RequestPtr> recvs, sends;
+  std::vector<int> children;
+  int parent = -1;
+  auto lc = c.sub(L.leaders, L.hostIdx);
+  if (L.representative) {
+    // The chain: the root's host, then the next hosts in order.
+    const int nh = static_cast<int>(L.leaders.size()), rootHost = c.topo->hostOfRank[root];
+    const int vr = (L.hostIdx - rootHost + nh) % nh;
+    if (vr) parent = (L.hostIdx - 1 + nh) % nh;
+    if (vr + 1 < nh) children.push_back((L.hostIdx + 1) % nh);
+    if (parent >= 0)
+      for (size_t k = 0; k < nchunks; ++k) recvs.push_back(lc.irecv(parent, lc.tag(kStepLeaders), base + k * chunk, part(k)));
   }
+  const int localRoot = indexIn(L.local, L.leaders[L.hostIdx]);
+  for (size_t k = 0; k < nchunks; ++k) {
+    if (parent >= 0) recvs[k]->wait(c.deadline);
+    for (int h : children) sends.push_back(lc.isend(h, lc.tag(kStepLeaders), base + k * chunk, part(k)));
+    localBroadcast(c, L, base + k * chunk, part(k), localRoot);
+  }
+  waitAll(sends, c.deadline);
+  c.algo = c.shm ? "hierarchical-pipelined-shm-tcp" : "hierarchical-pipelined-tcp";
+}
+
+void leaderBroadcast(CollCtx& c, void* buf, size_t nbytes, int root) {
+  Levels L = levels(c, root);
   if (L.representative) {
     auto lc = c.sub(L.leaders, L.hostIdx);
     flat::broadcast(lc, buf, nbytes, c.topo->hostOfRank[root]);
@@ -344,17 +345,18 @@ void stripedAllgatherv(CollCtx& c, Levels& L, const std::vector<std::vector<int>
 
 }  // namespace
 
-void allgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes) {
+void stripedAllgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes) {
+  Levels L = levels(c);
+  stripedAllgatherv(c, L, stripes(c, L), in, outs, nbytes);
+}
+
+void leaderAllgatherv(CollCtx& c, const void* in, void* const* outs, const size_t* nbytes) {
   Levels L = levels(c);
   const Topology& t = *c.topo;
   const int n = t.size;
   size_t total = 0;
   std::vector<size_t> off(n);
   for (int r = 0; r < n; ++r) off[r] = total, total += nbytes[r];
-  if (L.local.size() > 1 && total >= kStripeMinBytes) {
-    auto st = stripes(c, L);
-    if (!st.empty()) return stripedAllgatherv(c, L, st, in, outs, nbytes);
-  }
   // Everything is assembled, in rank order, in one buffer on the leader, then broadcast locally.
   char* all = static_cast<char*>(c.scratch.get(kSlotA, std::max<size_t>(total, 1)));
   std::vector<void*> localOuts;
@@ -426,36 +428,42 @@ void stripedReduceScatterv(CollCtx& c, Levels& L, const std::vector<std::vector<
 
 }  // namespace
 
-void reduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts, const ReduceSpec& spec) {
+void widenedReduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts,
+                           const ReduceSpec& spec) {
   const Topology& t = *c.topo;
   const int n = t.size;
-  if (widePartials(c, spec.dtype)) {
-    size_t total = 0;
-    for (int r = 0; r < n; ++r) total += counts[r];
-    float* wide = static_cast<float*>(c.scratch.get(kSlotWide, std::max<size_t>(total + counts[t.rank], 1) * sizeof(float)));
-    std::vector<const void*> wideIns(n);
-    size_t o = 0;
-    for (int r = 0; r < n; ++r) {
-      toFloat32(spec.dtype, ins[r], wide + o, counts[r]);
-      wideIns[r] = wide + o;
-      o += counts[r];
-    }
-    float* wideOut = wide + total;
-    ReduceSpec w = spec;
-    w.dtype = DType::F32;
-    hier::reduceScatterv(c, wideIns.data(), wideOut, counts, w);
-    fromFloat32(spec.dtype, wideOut, out, counts[t.rank]);
-    return;
+  size_t total = 0;
+  for (int r = 0; r < n; ++r) total += counts[r];
+  float* wide = static_cast<float*>(c.scratch.get(kSlotWide, std::max<size_t>(total + counts[t.rank], 1) * sizeof(float)));
+  std::vector<const void*> wideIns(n);
+  size_t o = 0;
+  for (int r = 0; r < n; ++r) {
+    toFloat32(spec.dtype, ins[r], wide + o, counts[r]);
+    wideIns[r] = wide + o;
+    o += counts[r];
   }
+  float* wideOut = wide + total;
+  ReduceSpec w = spec;
+  w.dtype = DType::F32;
+  hier::reduceScatterv(c, wideIns.data(), wideOut, counts, w);
+  fromFloat32(spec.dtype, wideOut, out, counts[t.rank]);
+}
+
+void stripedReduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts,
+                           const ReduceSpec& spec) {
+  Levels L = levels(c);
+  stripedReduceScatterv(c, L, stripes(c, L), ins, out, counts, spec);
+}
+
+void leaderReduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts,
+                          const ReduceSpec& spec) {
+  const Topology& t = *c.topo;
+  const int n = t.size;
   Levels L = levels(c);
   const size_t es = dtypeSize(spec.dtype);
   size_t total = 0;
   std::vector<size_t> off(n);
   for (int r = 0; r < n; ++r) off[r] = total, total += counts[r];
-  if (L.local.size() > 1 && total * es >= kStripeMinBytes) {
-    auto st = stripes(c, L);
-    if (!st.empty()) return stripedReduceScatterv(c, L, st, ins, out, counts, spec);
-  }
   // 1. Local reduce of the whole input to the leader (blocks packed in rank order).
   char* packed = static_cast<char*>(c.scratch.get(kSlotA, std::max<size_t>(total * es, 1)));
   for (int r = 0; r < n; ++r)
@@ -535,13 +543,8 @@ double secondsSince(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-// The model, for an all_reduce of S bytes over H hosts of L ranks (reduce_scatter and all_gather
-// are each half of it, the same ratios): two levels send 2S(H-1)/H across each host's link and
-// cost every rank a local reduce-scatter and all-gather, taking in 2S(L-1)/L through shared
-// memory; flat direct exchanges send L times the bytes across. So two levels win when
-//   link < local * L * (H-1) / H.
 // Every rank runs the same phases in the same order, each timed after a barrier, and ends with
-// every rank's figures: the choice is the same everywhere.
+// every rank's figures, so the choice made from them (Select.cpp) is the same everywhere.
 LinkModel measureLink(CollCtx& c, double declaredLinkBytesPerS) {
   const auto start = std::chrono::steady_clock::now();
   const Topology& t = *c.topo;
@@ -628,19 +631,9 @@ LinkModel measureLink(CollCtx& c, double declaredLinkBytesPerS) {
     const double rate = static_cast<double>(rep.localSize - 1) * kLocalProbeBytes / std::max(rep.localSeconds, 1e-9);
     m.localBytesPerS = m.localBytesPerS > 0 ? std::min(m.localBytesPerS, rate) : rate;
   }
-  m.hierarchical = m.localBytesPerS <= 0 ||
-                   m.linkBytesPerS < m.localBytesPerS * m.ranksPerHost * (m.hosts - 1) / m.hosts;
   m.bytes = 2 * me.crossBytes + (nl > 1 ? 3 * kLocalProbeBytes : 0);
   m.seconds = secondsSince(start);
   return m;
 }
 
 }  // namespace myccl::cpu::hier
-
-namespace myccl::cpu {
-
-LinkModel measureLink(CollCtx& c, double declaredLinkBytesPerS) {
-  return hier::measureLink(c, declaredLinkBytesPerS);
-}
-
-}  // namespace myccl::cpu

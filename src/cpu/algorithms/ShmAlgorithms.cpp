@@ -15,10 +15,6 @@ namespace myccl::cpu::shmalg {
 
 namespace {
 
-// Small reductions go in one step; below this every rank reading everything is cheaper than
-// a second synchronisation.
-constexpr size_t kOneStepReduceBytes = 64 * 1024;
-
 // The agreement word of an op's first step (StepDesc::arg): every local rank must post the same
 // one. Reductions: count << 16 | dtype << 8 | 0x80 AVG | 0x40 scaled | op (reduce also mixes the
 // root into bits 58..63, above any count); byte movers: total bytes << 8 | root (0xff: none).
@@ -66,11 +62,10 @@ void copyOut(CollCtx& c, void* dst, const void* src, size_t n, size_t hostBytes)
   parallelCopy(c, dst, src, n, hostBytes >= c.streamMinBytes);
 }
 
-// Ops at least this large first check whether every rank's buffer lives in registered shared
-// memory (tensors from allocateTensor); then peers read each other's tensors in place and the
-// staging copies disappear. All ranks take the same decision, from the published regions.
-constexpr size_t kZeroCopyMinBytes = 256 * 1024;
-
+// Zero copy (Select.cpp says when to try it): every rank publishes where its buffer is; when
+// every buffer lives in registered shared memory (tensors from allocateTensor) peers read each
+// other's tensors in place and the staging copies disappear. All ranks take the same decision,
+// from the published regions.
 // One step: publish where `mine` is; true (and `ptrs`) if the ranks in `need` all have
 // registered buffers. `ptrs[q]` is then rank q's buffer in this process.
 bool agreeZeroCopy(CollCtx& c, ShmGroup& g, const StepDesc& desc, const void* mine, size_t nbytes,
@@ -104,25 +99,30 @@ void finishZeroCopy(CollCtx& c, ShmGroup& g, const StepDesc& desc) {
 
 }  // namespace
 
-void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec) {
+void allreduceOneStep(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec) {
+  const int n = g.size(), me = g.rank();
+  const size_t nbytes = count * dtypeSize(spec.dtype);
+  const StepDesc desc{c.tagBase, reduceArg(count, spec)};
+  char* data = static_cast<char*>(buf);
+  std::vector<const void*> ins(n);
+  c.algo = "shm-one-step";
+  const uint32_t s = g.begin(desc, c.deadline);
+  copy(c, g.buffer(me, s & 1), data, nbytes);
+  g.post(s);
+  g.waitAll(s, c.deadline);
+  for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(data) : g.buffer(q, s & 1);
+  parallelReduce(c, spec, data, ins.data(), n, count);
+}
+
+void allreduceSliced(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec, bool tryZeroCopy) {
   const int n = g.size(), me = g.rank();
   const size_t es = dtypeSize(spec.dtype);
   const size_t nbytes = count * es;
   const StepDesc desc{c.tagBase, reduceArg(count, spec)};
   char* data = static_cast<char*>(buf);
   std::vector<const void*> ins(n);
-  if (nbytes <= std::min(kOneStepReduceBytes, g.stagingBytes()) || count < static_cast<size_t>(n)) {
-    c.algo = "shm-one-step";
-    const uint32_t s = g.begin(desc, c.deadline);
-    copy(c, g.buffer(me, s & 1), data, nbytes);
-    g.post(s);
-    g.waitAll(s, c.deadline);
-    for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(data) : g.buffer(q, s & 1);
-    parallelReduce(c, spec, data, ins.data(), n, count);
-    return;
-  }
   std::vector<size_t> so, sc;
-  if (nbytes >= kZeroCopyMinBytes) {
+  if (tryZeroCopy) {
     std::vector<char*> ptrs;
     if (agreeZeroCopy(c, g, desc, data, nbytes, everyone(n), ptrs)) {
       c.algo = "shm-zero-copy";
@@ -159,12 +159,12 @@ void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpe
   }
 }
 
-void broadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root) {
+void pipelinedBroadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root, bool tryZeroCopy) {
   const int n = g.size(), me = g.rank();
   const StepDesc desc{c.tagBase, bytesArg(nbytes, static_cast<uint64_t>(root))};
   const size_t chunk = g.stagingBytes();
   char* data = static_cast<char*>(buf);
-  if (nbytes >= kZeroCopyMinBytes) {
+  if (tryZeroCopy) {
     std::vector<char*> ptrs;
     if (agreeZeroCopy(c, g, desc, data, nbytes, {root}, ptrs)) {
       c.algo = "shm-zero-copy";
@@ -188,25 +188,30 @@ void broadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root) {
   }
 }
 
-void reduce(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, const ReduceSpec& spec, int root) {
+void reduceOneStep(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, const ReduceSpec& spec, int root) {
   const int n = g.size(), me = g.rank();
   const size_t es = dtypeSize(spec.dtype);
   const size_t nbytes = count * es;
   const StepDesc desc{c.tagBase, reduceArg(count, spec) ^ (static_cast<uint64_t>(root) << 58)};
   const char* src = static_cast<const char*>(in);
   std::vector<const void*> ins(n);
-  if (nbytes <= std::min(kOneStepReduceBytes, g.stagingBytes()) || count < static_cast<size_t>(n)) {
-    c.algo = "shm-one-step";
-    const uint32_t s = g.begin(desc, c.deadline);
-    if (me != root) copy(c, g.buffer(me, s & 1), src, nbytes);
-    g.post(s);
-    if (me == root) {
-      g.waitAll(s, c.deadline);
-      for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(src) : g.buffer(q, s & 1);
-      parallelReduce(c, spec, out, ins.data(), n, count);
-    }
-    return;
+  c.algo = "shm-one-step";
+  const uint32_t s = g.begin(desc, c.deadline);
+  if (me != root) copy(c, g.buffer(me, s & 1), src, nbytes);
+  g.post(s);
+  if (me == root) {
+    g.waitAll(s, c.deadline);
+    for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(src) : g.buffer(q, s & 1);
+    parallelReduce(c, spec, out, ins.data(), n, count);
   }
+}
+
+void reduceSliced(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, const ReduceSpec& spec, int root) {
+  const int n = g.size(), me = g.rank();
+  const size_t es = dtypeSize(spec.dtype);
+  const StepDesc desc{c.tagBase, reduceArg(count, spec) ^ (static_cast<uint64_t>(root) << 58)};
+  const char* src = static_cast<const char*>(in);
+  std::vector<const void*> ins(n);
   c.algo = "shm-reduce-scatter-gather";
   const size_t chunk = std::max<size_t>(n, g.stagingBytes() / es);
   std::vector<size_t> so, sc;
@@ -233,7 +238,7 @@ void reduce(CollCtx& c, ShmGroup& g, const void* in, void* out, size_t count, co
 }
 
 void allgatherv(CollCtx& c, ShmGroup& g, const void* in, void* const* outs, const size_t* nbytes, bool rootOnly,
-                int root) {
+                int root, bool tryZeroCopy) {
   const int n = g.size(), me = g.rank();
   size_t most = 0, total = 0;
   for (int q = 0; q < n; ++q) most = std::max(most, nbytes[q]), total += nbytes[q];
@@ -241,7 +246,7 @@ void allgatherv(CollCtx& c, ShmGroup& g, const void* in, void* const* outs, cons
   const bool receiver = !rootOnly || me == root;
   const size_t written = rootOnly ? total : total * n;  // result bytes on this host
   if (receiver) copyOut(c, outs[me], in, nbytes[me], written);
-  if (!rootOnly && total >= kZeroCopyMinBytes) {
+  if (tryZeroCopy && !rootOnly) {
     std::vector<char*> ptrs;
     if (agreeZeroCopy(c, g, desc, in, nbytes[me], everyone(n), ptrs)) {
       c.algo = "shm-zero-copy";
@@ -292,14 +297,14 @@ void scatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const 
 }
 
 void reduceScatterv(CollCtx& c, ShmGroup& g, const void* const* ins, void* out, const size_t* counts,
-                    const ReduceSpec& spec) {
+                    const ReduceSpec& spec, bool tryZeroCopy) {
   const int n = g.size(), me = g.rank();
   const size_t es = dtypeSize(spec.dtype);
   size_t most = 0, total = 0;
   for (int q = 0; q < n; ++q) most = std::max(most, counts[q]), total += counts[q];
   const StepDesc desc{c.tagBase, reduceArg(total, spec)};
   std::vector<const void*> from(n);
-  if (total * es >= kZeroCopyMinBytes) {
+  if (tryZeroCopy) {
     bool contiguous = true;
     std::vector<size_t> prefix(n + 1, 0);
     for (int q = 0; q < n; ++q) {

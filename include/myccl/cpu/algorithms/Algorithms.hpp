@@ -103,8 +103,9 @@ uint32_t agreementWord(const ReduceSpec& spec, size_t count);
 // algorithms) says about the op, for hang reports: "all_reduce #12 on 1024 x float32 SUM".
 std::string describeStep(uint64_t tagBase, uint64_t arg);
 
-// The collectives. Each picks the algorithm for the group and size: shared memory when all
-// ranks share a host, direct exchanges over the message transport otherwise.
+// The collectives. Each picks the algorithm for the group and size (Select.cpp, the only place
+// that chooses): shared memory when all ranks share a host, two levels or flat exchanges over the
+// message transport otherwise.
 
 // In place: buf (count elements) becomes the reduction over all ranks.
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec);
@@ -126,12 +127,7 @@ void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, vo
 void barrier(CollCtx& c);
 
 // Whether the group spans several hosts and some host holds several of its ranks: two levels
-// (shared memory inside hosts, TCP between them) or flat TCP is then a choice.
+// (shared memory inside hosts, TCP between them) or flat TCP is then a choice (LevelChoice).
 bool twoLevelsApply(const CollCtx& c);
-// Collective, run by every rank at the same op (MYCCL_HIERARCHICAL=auto): measures how fast each
-// host's link carries bytes to the next host and how fast a host's ranks exchange bytes through
-// shared memory, gathers the figures (every rank ends with the same ones) and chooses.
-// `declaredLinkBytesPerS` > 0 stands for the link measurement (MYCCL_LINK_MBIT).
-LinkModel measureLink(CollCtx& c, double declaredLinkBytesPerS);
 
 }  // namespace myccl::cpu

@@ -1,9 +1,10 @@
-// What the choice between two-level and flat algorithms across hosts rests on
-// (MYCCL_HIERARCHICAL=auto): measured once per group (cpu::measureLink), read by the engine,
-// stats and c10d_ext.link_model().
+// The choice between two-level and flat algorithms across hosts (MYCCL_HIERARCHICAL) and what
+// it rests on when it is `auto`: figures measured once per group, read by the engine, stats and
+// c10d_ext.link_model(). The choice itself is made in Select.cpp.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace myccl::cpu {
 
@@ -19,6 +20,28 @@ struct LinkModel {
   int hosts = 1;
   double seconds = 0;          // what measuring cost
   uint64_t bytes = 0;          // bytes this rank sent while measuring
+};
+
+struct CollCtx;
+enum class OpCode : uint8_t;
+
+// One per group, used by its op runner only (ops run one at a time): sets CollCtx::hierarchical
+// for each op, measuring the links first at the group's first op with a two-level version when
+// the choice is `auto` (collective: every rank measures at the same op).
+class LevelChoice {
+ public:
+  // forced: MYCCL_HIERARCHICAL (1, 0, -1 auto); declaredLinkBytesPerS > 0 stands for the link measurement.
+  LevelChoice(int forced, double declaredLinkBytesPerS) : forced_(forced), declaredLinkBytesPerS_(declaredLinkBytesPerS) {}
+  // True when this call measured (the caller logs describe() and counts what it cost).
+  bool choose(CollCtx& c, OpCode code);
+  const LinkModel& model() const { return model_; }
+  // "link 120 MB/s per host (measured), shared memory ... : two levels (measuring took 88 ms)"
+  std::string describe() const;
+
+ private:
+  int forced_;
+  double declaredLinkBytesPerS_;
+  LinkModel model_;
 };
 
 }  // namespace myccl::cpu

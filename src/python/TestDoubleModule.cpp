@@ -1,0 +1,73 @@
+// c10d_ext._test_double: the strict CUDA/NCCL host double (src/cuda/double) as a test-only
+// extension, built only with MYCCL_BUILD_TESTS=1 and never part of c10d_ext._C or a wheel. It
+// hands _C a TestRuntime (through a capsule, Engine.hpp) and gives tests the double's hooks: the
+// calling thread's simulated device and stream, synchronising the devices, and the violations and
+// counters tests assert on. tests/cuda_double.py wraps it.
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "myccl/Engine.hpp"
+#include "myccl/cuda/double/CudaDouble.hpp"
+
+namespace py = pybind11;
+namespace td = myccl::cuda::testdouble;
+
+namespace {
+
+class DoubleRuntime final : public myccl::TestRuntime {
+ public:
+  explicit DoubleRuntime(std::shared_ptr<td::Machine> m) : machine_(std::move(m)) {}
+  myccl::cuda::Runtime make(c10::intrusive_ptr<c10d::Store> store) override {
+    return td::runtime(machine_, std::move(store));
+  }
+
+ private:
+  std::shared_ptr<td::Machine> machine_;
+};
+
+std::shared_ptr<td::Machine> machine() {
+  return td::machine();  // made by configure() first; later calls ignore options
+}
+
+void destroyCapsule(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<myccl::TestRuntime>*>(PyCapsule_GetPointer(capsule, myccl::kTestRuntimeCapsule));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_test_double, m) {
+  // The process's simulated machine, once (later calls change nothing), and the runtime to install.
+  m.def("configure", [](int devices, int64_t seed, int delayUs, int64_t eagerBytes, int64_t hangMs, int capability,
+                        int64_t abortMs) {
+    td::Options o;
+    o.devices = devices;
+    o.seed = static_cast<uint64_t>(seed);
+    o.maxDelayUs = delayUs;
+    o.eagerBytes = eagerBytes;
+    o.hangMs = hangMs;
+    o.computeCapability = capability;
+    o.abortTailMs = abortMs;
+    auto rt = new std::shared_ptr<myccl::TestRuntime>(std::make_shared<DoubleRuntime>(td::machine(o)));
+    return py::reinterpret_steal<py::object>(PyCapsule_New(rt, myccl::kTestRuntimeCapsule, destroyCapsule));
+  });
+  m.def("set_device", [](int index) { td::device(machine())->set(index); });
+  m.def("current_device", [] { return td::device(machine())->current(); });
+  m.def("synchronize", [] { td::synchronize(*machine()); }, py::call_guard<py::gil_scoped_release>());
+  m.def("violations", [] { return td::violations(*machine()); });
+  m.def("clear_violations", [] { td::clearViolations(*machine()); });
+  m.def("counters", [] { return td::counters(*machine()); });
+  // Streams by id (0: the default stream), for tests that make gradients arrive on several streams.
+  m.def("new_stream", [] {
+    auto d = td::device(machine());
+    return static_cast<int64_t>(d->newStream(d->current(), false).id());
+  });
+  m.def("current_stream", [] {
+    auto d = td::device(machine());
+    return static_cast<int64_t>(d->currentStream(d->current()).id());
+  });
+  m.def("set_stream", [](int64_t id) {
+    auto d = td::device(machine());
+    const auto index = static_cast<c10::DeviceIndex>(d->current());
+    d->setCurrentStream(c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::kCUDA, index), id));
+  });
+}
