@@ -9,6 +9,7 @@ inside these namespaces only. Needs root (CAP_NET_ADMIN); `available()` says whe
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import uuid
 
@@ -95,6 +96,24 @@ class Hosts:
         except (subprocess.CalledProcessError, FileNotFoundError):
             pass
         return applied
+
+    def dropped(self, i: int) -> int:
+        """Packets host i's link has dropped on purpose (impair()): netem's drop count, or the
+        iptables statistic rules' packet counters."""
+        ns, dev = self.names[i], self.devs[i]
+        out = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev],
+                             capture_output=True, text=True).stdout
+        n = 0
+        if "netem" in out:
+            m = re.search(r"dropped (\d+)", out)
+            n += int(m.group(1)) if m else 0
+        for chain in ("INPUT", "OUTPUT"):
+            res = subprocess.run(["ip", "netns", "exec", ns, "iptables", "-L", chain, "-v", "-n", "-x"],
+                                 capture_output=True, text=True)
+            for line in res.stdout.splitlines():
+                if "statistic" in line and "DROP" in line:
+                    n += int(line.split()[0])
+        return n
 
     def cap(self, rate: str, burst: str = "256kb", latency: str = "50ms") -> None:
         """Caps every host's link at `rate` (tc rate syntax, e.g. "1gbit") in both directions: a

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from harness import Report, assert_reports, seq_number
 
-FAST = 1.0  # seconds: a local argument check must not wait for anybody
+# A local argument check must not wait for anybody: well under the groups' timeouts (20 s), which
+# is what waiting for a peer would cost. (How fast checks are is the business of benchmarks.)
+FAST = 8.0
 
 
 def _be():
@@ -300,7 +302,7 @@ def body_recv_size_mismatch(ctx, smaller: bool):
             took = time.monotonic() - t0
             text = str(e).split("\nException raised from")[0]
             msg = text
-            rep.check(took < 6, f"size-mismatch error took {took:.1f} s (should not need the timeout)")
+            rep.check(took < 8 / 2, f"size-mismatch error took {took:.1f} s (should not need the 8 s timeout)")
             rep.check("myccl" in text and "recv" in text, f"error does not name myccl/recv: {text!r}")
             rep.check("4000" in text or "1000" in text, f"error does not give the sent size: {text!r}")
             rep.check(str(m * 4) in text or str(m) in text, f"error does not give the receive size: {text!r}")

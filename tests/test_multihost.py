@@ -151,9 +151,14 @@ def test_delay_and_loss_on_a_link():
     # auto: the link is measured through the impairment; the ops check whichever path it chose
     with netns.Hosts(2) as hosts:
         applied = hosts.impair(1)
+        if not any("loss" in a or "drop" in a for a in applied):
+            pytest.skip(f"no way to drop packets here (this kernel has no netem and iptables is not installed; "
+                        f"applied: {applied}): .ci/run installs iptables")
         results, _, _ = launch(hosts, 2, "ops", timeout=400)
-    print("impairments:", applied)
+        dropped = hosts.dropped(1)
     _assert_ok(results)
+    # The loss was real: packets were dropped while the ops ran, and every op still checked ok.
+    assert dropped > 0, (applied, dropped)
 
 
 RECOVERY = os.path.join(HERE, "recovery_worker.py")

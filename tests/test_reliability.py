@@ -157,7 +157,8 @@ def test_stalled_peer_times_out(run):
     out = run(2, body_stalled, timeout=60)[0]
     _record("stalled_peer", {"wait_timeout_0.5s_took": out["wait_s"], "group_timeout_3s_took": out["op_s"],
                              "error": out["op"][:300]})
-    assert "Timed out in wait() after 500 ms" in out["wait"] and out["wait_s"] < 1.5, out
+    # The words say which timeout fired (the wait's own, not the group's 3 s); the time is recorded above.
+    assert "Timed out in wait() after 500 ms" in out["wait"] and out["wait_s"] < 3, out
     assert "Timed out after 3000 ms" in out["op"] and "rank 1" in out["op"] and "all_reduce #1" in out["op"], out
     # 3 s after the op began, 2.5 s after this wait began, plus torch 2.15's own flight-recorder
     # dump (its hook dumps before the error is raised: 2 s alone, 5 s and more in a loaded full
@@ -182,8 +183,10 @@ def body_recv_never_sent(ctx):
 def test_recv_from_silent_peer_times_out(run):
     msg, secs = run(2, body_recv_never_sent, timeout=60)[0]
     _record("recv_silent_peer", {"group_timeout_2s_took": secs, "error": msg[:300]})
-    assert "Timed out" in msg and "recv from 1" in msg, msg
-    assert secs < 3.5
+    # The timeout (2 s), not rank 1's departure (at 3 s, which would say "closed"), ended the receive;
+    # torch 2.15's recorder dump comes on top, so the time is only bounded well below the call's.
+    assert "Timed out" in msg and "recv from 1" in msg and "closed" not in msg, msg
+    assert 1.5 <= secs < 30, secs
 
 
 # ---- desynchronised calls ------------------------------------------------------------------

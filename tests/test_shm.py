@@ -244,8 +244,9 @@ def test_stream_copy_threshold_is_the_llc():
     try:
         with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
             text = f.read().strip()
-    except OSError:
-        return
+    except OSError as e:
+        pytest.skip(f"this machine does not say its last-level cache's size in sysfs ({e}); the 4 MiB-256 MiB "
+                    "bounds above were checked")
     llc = int(text.rstrip("KM")) << {"K": 10, "M": 20}.get(text[-1], 0)
     assert v == min(max(llc, 4 << 20), 256 << 20)
 
