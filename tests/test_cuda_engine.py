@@ -391,7 +391,7 @@ def test_timeout_takes_the_process_down_by_default(handling, tmp_path):
     if handling:
         env["MYCCL_ASYNC_ERROR_HANDLING"] = handling
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, "-c", TEARDOWN_SCRIPT, str(r), str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:

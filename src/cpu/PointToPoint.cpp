@@ -77,35 +77,32 @@ CpuEngine::WorkPtr CpuEngine::send(OpInfo info, at::Tensor t, int peer, int tag)
   return w;
 }
 
-CpuEngine::WorkPtr CpuEngine::recv(OpInfo info, at::Tensor t, int peer, int tag) {
+// A receive posted by `post(buffer, nbytes)`: into the tensor, or a contiguous stand-in written
+// back once it arrived.
+template <class Post>
+CpuEngine::WorkPtr CpuEngine::receive(OpInfo info, const at::Tensor& t, Post&& post) {
   checkUsable(info);
   auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{t}, std::vector<at::Tensor>{t});
   auto s = Staged::of(t, false);
   w->setSpinWait(p2pSpin_);
   w->markStarted();
   p2pInFlight_->fetch_add(1, std::memory_order_relaxed);
-  auto req = transport_->irecv(peer, p2pTag(tag), s.ptr(), s.nbytes());
+  RequestPtr req = post(s.ptr(), s.nbytes());
   w->setCanceller(canceller(transport_, req, p2pInFlight_));
   P2PDone d{stats_, recorder_, recorder_->queued(w->info(), true), transport_->name(), p2pInFlight_};
   req->onDone([w, r = req.get(), s, d] { finishP2P(w, *r, [s] { s.commit(); }, d); });
   return w;
 }
 
+CpuEngine::WorkPtr CpuEngine::recv(OpInfo info, at::Tensor t, int peer, int tag) {
+  return receive(std::move(info), t, [&](void* p, size_t n) { return transport_->irecv(peer, p2pTag(tag), p, n); });
+}
+
 CpuEngine::WorkPtr CpuEngine::recvAny(OpInfo info, at::Tensor t, int tag) {
-  checkUsable(info);
-  auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{t}, std::vector<at::Tensor>{t});
-  auto s = Staged::of(t, false);
   std::vector<int> peers;
   for (int r = 0; r < size_; ++r)
     if (r != rank_) peers.push_back(r);
-  w->setSpinWait(p2pSpin_);
-  w->markStarted();
-  p2pInFlight_->fetch_add(1, std::memory_order_relaxed);
-  auto req = transport_->irecvAny(peers, p2pTag(tag), s.ptr(), s.nbytes());
-  w->setCanceller(canceller(transport_, req, p2pInFlight_));
-  P2PDone d{stats_, recorder_, recorder_->queued(w->info(), true), transport_->name(), p2pInFlight_};
-  req->onDone([w, r = req.get(), s, d] { finishP2P(w, *r, [s] { s.commit(); }, d); });
-  return w;
+  return receive(std::move(info), t, [&](void* p, size_t n) { return transport_->irecvAny(peers, p2pTag(tag), p, n); });
 }
 
 }  // namespace myccl::cpu

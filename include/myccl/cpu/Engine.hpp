@@ -122,6 +122,8 @@ class CpuEngine final : public Engine {
     uint64_t record = 0;  // flight recorder id
   };
   WorkPtr enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body);
+  template <class Post>
+  WorkPtr receive(OpInfo info, const at::Tensor& t, Post&& post);  // recv and recvAny (PointToPoint.cpp)
   void loop();
   void runOp(Op& op);
   const char* transportName() const;
