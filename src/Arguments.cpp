@@ -219,4 +219,25 @@ std::vector<at::Tensor> blocks(const std::string& w, const at::Tensor& t, int si
   return out;
 }
 
+std::vector<at::Tensor> rootList(const std::string& w, const std::vector<std::vector<at::Tensor>>& lists,
+                                 const char* what, const char* other, const at::Tensor& mine, bool writable, int root,
+                                 int rank, int size) {
+  if (rank != root) {
+    MYCCL_CHECK_ARG(lists.empty() || (lists.size() == 1 && lists[0].empty()), w, ": only the root (rank ", root,
+                    ") may pass ", what, " tensors");
+    return {};
+  }
+  MYCCL_CHECK_ARG(lists.size() == 1, w, ": the root needs one ", what, " list, got ", lists.size());
+  const auto& list = lists[0];
+  MYCCL_CHECK_ARG(static_cast<int>(list.size()) == size, w, ": the ", what, " list has ", list.size(),
+                  " tensors but the group has ", size, " ranks");
+  for (int r = 0; r < size; ++r) {
+    checkSameDtype(w, mine, list[r], what);
+    if (writable) checkWritable(w, list[r], what);
+  }
+  MYCCL_CHECK_ARG(list[rank].numel() == mine.numel(), w, ": ", what, " ", rank, " has ", list[rank].numel(),
+                  " elements but the ", other, " has ", mine.numel());
+  return list;
+}
+
 }  // namespace myccl

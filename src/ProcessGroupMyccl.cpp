@@ -116,8 +116,8 @@ WorkRef MycclBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, s
   auto& outs = outputs[0];
   MYCCL_CHECK_ARG(static_cast<int>(outs.size()) == size_, w, ": the output list has ", outs.size(),
                   " tensors but the group has ", size_, " ranks");
-  std::vector<at::Tensor> all = outs;
-  all.push_back(in);
+  std::vector<at::Tensor> all = {in};
+  all.insert(all.end(), outs.begin(), outs.end());
   auto e = engines_.route(w, all);
   for (int r = 0; r < size_; ++r) {
     checkSameDtype(w, in, outs[r], ("output " + std::to_string(r)).c_str());
@@ -204,24 +204,9 @@ WorkRef MycclBackend::gather(std::vector<std::vector<at::Tensor>>& outputs, std:
   const auto w = where("gather");
   const at::Tensor& in = single(w, inputs, "input tensor");
   checkRoot(w, opts.rootRank, size_);
+  auto outs = rootList(w, outputs, "output", "input", in, true, static_cast<int>(opts.rootRank), rank_, size_);
   std::vector<at::Tensor> all = {in};
-  std::vector<at::Tensor> outs;
-  if (rank_ == opts.rootRank) {
-    MYCCL_CHECK_ARG(outputs.size() == 1, w, ": the root needs one output list, got ", outputs.size());
-    outs = outputs[0];
-    MYCCL_CHECK_ARG(static_cast<int>(outs.size()) == size_, w, ": the output list has ", outs.size(),
-                    " tensors but the group has ", size_, " ranks");
-    for (int r = 0; r < size_; ++r) {
-      checkSameDtype(w, in, outs[r], "output");
-      checkWritable(w, outs[r], "output");
-    }
-    MYCCL_CHECK_ARG(outs[rank_].numel() == in.numel(), w, ": output ", rank_, " has ", outs[rank_].numel(),
-                    " elements but the input has ", in.numel());
-    all.insert(all.end(), outs.begin(), outs.end());
-  } else {
-    MYCCL_CHECK_ARG(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), w,
-                    ": only the root (rank ", opts.rootRank, ") may pass output tensors");
-  }
+  all.insert(all.end(), outs.begin(), outs.end());
   auto e = engines_.route(w, all);
   auto i = info(OpType::GATHER, "gather", opts.timeout, opts.asyncOp);
   annotate(i, in, opts.rootRank, nullptr);
@@ -235,21 +220,9 @@ WorkRef MycclBackend::scatter(std::vector<at::Tensor>& outputs, std::vector<std:
   const at::Tensor& out = single(w, outputs, "output tensor");
   checkRoot(w, opts.rootRank, size_);
   checkWritable(w, out, "output");
+  auto ins = rootList(w, inputs, "input", "output", out, false, static_cast<int>(opts.rootRank), rank_, size_);
   std::vector<at::Tensor> all = {out};
-  std::vector<at::Tensor> ins;
-  if (rank_ == opts.rootRank) {
-    MYCCL_CHECK_ARG(inputs.size() == 1, w, ": the root needs one input list, got ", inputs.size());
-    ins = inputs[0];
-    MYCCL_CHECK_ARG(static_cast<int>(ins.size()) == size_, w, ": the input list has ", ins.size(),
-                    " tensors but the group has ", size_, " ranks");
-    for (int r = 0; r < size_; ++r) checkSameDtype(w, out, ins[r], "input");
-    MYCCL_CHECK_ARG(ins[rank_].numel() == out.numel(), w, ": input ", rank_, " has ", ins[rank_].numel(),
-                    " elements but the output has ", out.numel());
-    all.insert(all.end(), ins.begin(), ins.end());
-  } else {
-    MYCCL_CHECK_ARG(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), w,
-                    ": only the root (rank ", opts.rootRank, ") may pass input tensors");
-  }
+  all.insert(all.end(), ins.begin(), ins.end());
   auto e = engines_.route(w, all);
   auto i = info(OpType::SCATTER, "scatter", opts.timeout, opts.asyncOp);
   annotate(i, out, opts.rootRank, nullptr);
@@ -265,8 +238,8 @@ WorkRef MycclBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vect
   auto& ins = inputs[0];
   MYCCL_CHECK_ARG(static_cast<int>(ins.size()) == size_, w, ": the input list has ", ins.size(),
                   " tensors but the group has ", size_, " ranks");
-  std::vector<at::Tensor> all = ins;
-  all.push_back(out);
+  std::vector<at::Tensor> all = {out};
+  all.insert(all.end(), ins.begin(), ins.end());
   auto e = engines_.route(w, all);
   checkWritable(w, out, "output");
   for (int r = 0; r < size_; ++r) checkSameDtype(w, out, ins[r], "input");

@@ -46,5 +46,11 @@ void checkSameDtype(const std::string& where, const at::Tensor& ref, const at::T
 at::Tensor rowSlice(const at::Tensor& t, int64_t first, int64_t count);
 // Row-major blocks of `t` for each rank: block r holds elements [r*n, (r+1)*n).
 std::vector<at::Tensor> blocks(const std::string& where, const at::Tensor& t, int size, int64_t n, const char* what);
+// A rooted op's list of one tensor per rank (gather's outputs: what = "output", scatter's inputs:
+// "input"), which only the root passes, checked against this rank's own tensor `mine` (what the
+// op calls `other`); `writable`: the list receives results. Returns it (empty off the root).
+std::vector<at::Tensor> rootList(const std::string& where, const std::vector<std::vector<at::Tensor>>& lists,
+                                 const char* what, const char* other, const at::Tensor& mine, bool writable, int root,
+                                 int rank, int size);
 
 }  // namespace myccl
