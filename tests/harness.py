@@ -107,6 +107,20 @@ class Report:
     def fail(self, what: str) -> None:
         self.check(False, what)
 
+    def expect_value_error(self, fn, what: str) -> None:
+        """fn() must raise a ValueError that names myccl (or torch's "does not support")."""
+        self.checks += 1
+        try:
+            fn()
+        except ValueError as e:
+            if "myccl" not in str(e) and "does not support" not in str(e):
+                self.failures.append(f"rank {self.rank}: {what}: error does not name myccl: {e}")
+            return
+        except Exception as e:  # noqa: BLE001
+            self.failures.append(f"rank {self.rank}: {what}: expected ValueError, got {type(e).__name__}: {e}")
+            return
+        self.failures.append(f"rank {self.rank}: {what}: expected ValueError, nothing raised")
+
     def result(self):
         return self.checks, self.failures
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import Report
 from expect import ALL_DTYPES, COMPLEX, REDOPS, exact, make, premul_factor, redop, reduce_all, same, valid
 
 SHAPES = {
@@ -52,34 +53,6 @@ def _cases(dtypes=ALL_DTYPES, shapes=SHAPES):
             if shape_name == "large" and dtype not in LARGE_DTYPES:
                 continue
             yield dtype, shape_name
-
-
-class Report:
-    def __init__(self, ctx):
-        self.rank = ctx.rank
-        self.checks = 0
-        self.failures: list[str] = []
-
-    def check(self, ok: bool, what: str):
-        self.checks += 1
-        if not ok:
-            self.failures.append(f"rank {self.rank}: {what}")
-
-    def expect_value_error(self, fn, what: str):
-        self.checks += 1
-        try:
-            fn()
-        except ValueError as e:
-            if "myccl" not in str(e) and "does not support" not in str(e):
-                self.failures.append(f"rank {self.rank}: {what}: error does not name myccl: {e}")
-            return
-        except Exception as e:  # noqa: BLE001
-            self.failures.append(f"rank {self.rank}: {what}: expected ValueError, got {type(e).__name__}: {e}")
-            return
-        self.failures.append(f"rank {self.rank}: {what}: expected ValueError, nothing raised")
-
-    def result(self):
-        return self.checks, self.failures
 
 
 # ---- per-rank bodies -----------------------------------------------------------------------

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness  # noqa: E402
 from expect import ALL_DTYPES, COMPLEX, FLOATS, INTS, REDOPS, make, redop, reduce_all
 
 # Two processes on one GPU: distinct host identities (else NCCL refuses duplicate GPUs),
@@ -72,34 +73,16 @@ LARGE_DTYPES = {torch.float32, torch.bfloat16, torch.int64}
 
 # ---- helpers (run inside the rank processes) -----------------------------------------------
 
-class Report:
+class Report(harness.Report):
+    """harness.Report, plus: under the double, every strictness violation is a failure."""
+
     def __init__(self, ctx, mode="gpu"):
-        self.rank = ctx.rank
+        super().__init__(ctx)
         self.mode = mode
-        self.checks = 0
-        self.failures: list[str] = []
         if mode == "double":
             import cuda_double
 
             cuda_double.clear_violations()
-
-    def check(self, ok: bool, what: str):
-        self.checks += 1
-        if not ok:
-            self.failures.append(f"rank {self.rank}: {what}")
-
-    def expect_value_error(self, fn, what: str):
-        self.checks += 1
-        try:
-            fn()
-        except ValueError as e:
-            if "myccl" not in str(e) and "does not support" not in str(e):
-                self.failures.append(f"rank {self.rank}: {what}: error does not name myccl: {e}")
-            return
-        except Exception as e:  # noqa: BLE001
-            self.failures.append(f"rank {self.rank}: {what}: expected ValueError, got {type(e).__name__}: {e}")
-            return
-        self.failures.append(f"rank {self.rank}: {what}: expected ValueError, nothing raised")
 
     def result(self):
         if self.mode == "double":
