@@ -97,3 +97,33 @@ def same(got: torch.Tensor, want: torch.Tensor, exact_match: bool = True) -> boo
     if exact_match:
         return torch.equal(got, want)
     return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# The shapes every collective is tried on ("T": a transposed 6x8, i.e. non-contiguous).
+SHAPES = {
+    "empty": (0,),
+    "scalar": (),
+    "small": (7,),
+    "2d": (5, 3),
+    "medium": (20000,),
+    "large": (150001,),
+    "noncontig": "T",
+}
+
+
+def inputs(size, shape_name, dtype, seed):
+    """Every rank's input of one case, as each rank makes its own (make() is deterministic)."""
+    shape = SHAPES[shape_name]
+    if shape == "T":
+        return [make(r, (6, 8), dtype, seed).t() for r in range(size)]
+    return [make(r, shape, dtype, seed) for r in range(size)]
+
+
+def cases(dtypes, large_dtypes, shapes=SHAPES):
+    """(dtype, shape name) pairs; "large" only for the dtypes in large_dtypes."""
+    for dtype in dtypes:
+        for shape_name in shapes:
+            if shape_name == "large" and dtype not in large_dtypes:
+                continue
+            yield dtype, shape_name
+

@@ -12,17 +12,8 @@ import torch
 import torch.distributed as dist
 
 from harness import Report
-from expect import ALL_DTYPES, COMPLEX, REDOPS, exact, make, premul_factor, redop, reduce_all, same, valid
+from expect import SHAPES, ALL_DTYPES, cases, inputs, COMPLEX, REDOPS, exact, make, premul_factor, redop, reduce_all, same, valid
 
-SHAPES = {
-    "empty": (0,),
-    "scalar": (),
-    "small": (7,),
-    "2d": (5, 3),
-    "medium": (20000,),
-    "large": (150001,),
-    "noncontig": "T",
-}
 LARGE_DTYPES = {torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.complex64}
 WORLD_SIZES = [1, 2, 3, 4]
 CHUNK = 64 * 1024  # small pipeline segments so "large" really is multi-segment
@@ -39,20 +30,11 @@ def _init(ctx, transport):
 
 
 def _inputs(ctx, shape_name, dtype, seed):
-    shape = SHAPES[shape_name]
-    if shape == "T":
-        xs = [make(r, (6, 8), dtype, seed).t() for r in range(ctx.size)]
-    else:
-        xs = [make(r, shape, dtype, seed) for r in range(ctx.size)]
-    return xs
+    return inputs(ctx.size, shape_name, dtype, seed)
 
 
 def _cases(dtypes=ALL_DTYPES, shapes=SHAPES):
-    for dtype in dtypes:
-        for shape_name in shapes:
-            if shape_name == "large" and dtype not in LARGE_DTYPES:
-                continue
-            yield dtype, shape_name
+    return cases(dtypes, LARGE_DTYPES, shapes)
 
 
 # ---- per-rank bodies -----------------------------------------------------------------------

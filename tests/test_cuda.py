@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import harness  # noqa: E402
-from expect import ALL_DTYPES, COMPLEX, FLOATS, INTS, REDOPS, make, redop, reduce_all
+from expect import SHAPES, ALL_DTYPES, cases, inputs, COMPLEX, FLOATS, INTS, REDOPS, make, redop, reduce_all
 
 # Two processes on one GPU: distinct host identities (else NCCL refuses duplicate GPUs),
 # sockets over loopback, no intra-host shortcuts that assume distinct devices.
@@ -59,15 +59,6 @@ WORLD = {"gpu": SHARED_GPU, "double": DOUBLE}
 FAULTS = {"gpu": FAULT_WORLD, "double": DOUBLE_FAULTS}
 MODES = [pytest.param("double", id="double"), pytest.param("gpu", id="gpu", marks=pytest.mark.cuda)]
 
-SHAPES = {
-    "empty": (0,),
-    "scalar": (),
-    "small": (7,),
-    "2d": (5, 3),
-    "medium": (20000,),
-    "large": (150001,),
-    "noncontig": "T",
-}
 LARGE_DTYPES = {torch.float32, torch.bfloat16, torch.int64}
 
 
@@ -160,18 +151,11 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def _inputs(ctx, shape_name, dtype, seed):
-    shape = SHAPES[shape_name]
-    if shape == "T":
-        return [make(r, (6, 8), dtype, seed).t() for r in range(ctx.size)]
-    return [make(r, shape, dtype, seed) for r in range(ctx.size)]
+    return inputs(ctx.size, shape_name, dtype, seed)
 
 
 def _cases(dtypes=ALL_DTYPES, shapes=SHAPES):
-    for dtype in dtypes:
-        for shape_name in shapes:
-            if shape_name == "large" and dtype not in LARGE_DTYPES:
-                continue
-            yield dtype, shape_name
+    return cases(dtypes, LARGE_DTYPES, shapes)
 
 
 # Cases not given to torch's "nccl": it refuses non-contiguous tensors, and for dtypes NCCL lacks
