@@ -90,6 +90,25 @@ class Ctx:
         return dist.group.WORLD
 
 
+def one_thread(body):
+    """Tiny models on few cores: intra-op threads only contend with the peer processes. The
+    worlds are shared with other test files, so the setting is put back afterwards."""
+    import functools
+
+    @functools.wraps(body)
+    def wrapper(ctx, *args):
+        import torch
+
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return body(ctx, *args)
+        finally:
+            torch.set_num_threads(old)
+
+    return wrapper
+
+
 class Report:
     """Collects a rank's checks; the parent asserts that no rank reported a failure."""
 

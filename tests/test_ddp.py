@@ -14,7 +14,6 @@ Each test runs many checks inside one call of a reused world, so the file stays 
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
@@ -26,21 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from harness import one_thread
 
-def one_thread(body):
-    """Tiny models on few cores: intra-op threads only contend with the peer processes. The
-    worlds are shared with other test files, so the setting is put back afterwards."""
-
-    @functools.wraps(body)
-    def wrapper(ctx, *args):
-        old = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return body(ctx, *args)
-        finally:
-            torch.set_num_threads(old)
-
-    return wrapper
 
 
 # ---- models --------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ hook, no_sync accumulation, gradients arriving on two streams):
 from __future__ import annotations
 
 import copy
-import functools
 from contextlib import nullcontext
 
 import pytest
@@ -36,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from test_cuda import MODES, WORLD, Report, _assert_reports, _init
+from harness import one_thread
 
 SMALL = 0.002  # MiB: 3-4 buckets for the model below
 
@@ -75,17 +75,6 @@ class Net(nn.Module):
         return y + self.branch(h) if use_branch else y
 
 
-def one_thread(body):
-    @functools.wraps(body)
-    def wrapper(ctx, *args):
-        old = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return body(ctx, *args)
-        finally:
-            torch.set_num_threads(old)
-
-    return wrapper
 
 
 def _second_stream(module, mode):
