@@ -208,7 +208,7 @@ setup(
     name="c10d_ext",
     version=VERSION,
     description="myccl: a fast, debuggable torch.distributed backend (shared memory / TCP on CPU, NCCL on CUDA)",
-    packages=["c10d_ext", "c10d_ext.trace"],
+    packages=["c10d_ext", "c10d_ext.trace", "c10d_ext.horovod", "c10d_ext.horovod.elastic"],
     python_requires=">=3.10",
     install_requires=[TORCH_REQUIREMENT],
     ext_modules=[

@@ -400,3 +400,17 @@ class WorldPool:
         for w in self.worlds.values():
             w.close()
         self.worlds.clear()
+
+
+def join_or_kill(procs, deadline_s: float) -> list[int]:
+    """Waits for spawned processes until `deadline_s` from now; kills the ones still running and
+    returns their indices (the caller asserts there are none)."""
+    end = time.monotonic() + deadline_s
+    for p in procs:
+        p.join(max(0.1, end - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return hung

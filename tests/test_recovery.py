@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from harness import free_port
+from harness import free_port, join_or_kill
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -62,16 +62,7 @@ def _spawn_job(tmp_path, size, kills, steps, timeout_s=15.0, deadline_s=150.0):
              for r in range(size)]
     for p in procs:
         p.start()
-    import time
-
-    end = time.monotonic() + deadline_s
-    for p in procs:
-        p.join(max(0.1, end - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    hung = join_or_kill(procs, deadline_s)
     assert not hung, f"ranks {hung} did not finish within {deadline_s} s"
     results = {}
     for r in range(size):

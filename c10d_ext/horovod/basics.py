@@ -1,0 +1,308 @@
+"""hvd.init / shutdown and the topology queries, on a myccl process group.
+
+Horovod's world is a myccl group of its own (never the default group itself), so the collectives
+its background threads issue can never interleave with the ones the script issues through
+``torch.distributed``. ``init`` starts from whatever launched the job:
+
+* a default process group that already exists (the script or a framework made it): used as is;
+* torchrun / torch.distributed.run: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``;
+* horovodrun's variables: ``HOROVOD_RANK``, ``HOROVOD_SIZE`` and the rendezvous
+  ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` / ``_PORT`` (rank 0 serves a TCPStore there);
+* mpirun: ``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` or ``PMI_RANK`` / ``PMI_SIZE``, with the rendezvous
+  from ``MASTER_ADDR`` / ``MASTER_PORT`` or the ``HOROVOD_GLOO_RENDEZVOUS_*`` pair;
+* nothing: one process, as Horovod runs without a launcher.
+
+After a collective failed because a rank was lost, ``shutdown(); init()`` (what elastic training
+does) goes on with the survivors: they agree through ``c10d_ext.survivors`` and shrink the default
+group with torch's ``shrink_group`` (torch 2.14+), renumbered in their old order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .exceptions import NOT_INITIALIZED, HorovodInternalError
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.initialized = False
+        self.made_default = False  # hvd created the default group (and destroys it at exit)
+        self.group = None  # the myccl group of Horovod's global process set (its controller's)
+        self.admin = None  # same ranks: the caller thread's own collectives (topology, registration)
+        self.torch_ranks: list[int] = []  # hvd rank -> default-group rank
+        self.rank = 0
+        self.size = 1
+        self.local_rank = 0
+        self.local_size = 1
+        self.cross_rank = 0
+        self.cross_size = 1
+        self.homogeneous = True
+        self.lost_rank = False  # a collective failed for a lost peer: the next init shrinks
+        self.failed_group = None  # the group that saw it: the survivors meet through its store
+        self.timeout = timedelta(minutes=30)
+        self.atexit = False
+
+
+STATE = _State()
+
+
+def _env_int(*names: str) -> int | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            return int(v)
+    return None
+
+
+def _rendezvous() -> tuple[str | None, int | None]:
+    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or os.environ.get("MASTER_ADDR")
+    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT") or os.environ.get("MASTER_PORT")
+    return addr, (int(port) if port not in (None, "", "-1") else None)
+
+
+def _timeout() -> timedelta:
+    seconds = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")
+    # Horovod's 30 s is for its rendezvous; the groups' own op timeout stays torch's default.
+    return timedelta(seconds=max(30, int(seconds))) if seconds else timedelta(minutes=30)
+
+
+def _make_default_group() -> None:
+    """The default group from the launcher's variables (see the module's docstring)."""
+    import c10d_ext  # noqa: F401  (registers "myccl")
+
+    if os.environ.get("RANK") is not None and os.environ.get("MASTER_ADDR"):
+        dist.init_process_group("myccl")  # torchrun's env://
+        return
+    rank = _env_int("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    size = _env_int("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    if rank is None or size is None or size == 1:
+        store = dist.HashStore()
+        dist.init_process_group("myccl", store=store, rank=0, world_size=1)
+        return
+    addr, port = _rendezvous()
+    if not addr or port is None:
+        raise ValueError(
+            "Horovod initialization failed: rank and size came from the launcher's variables "
+            f"(rank {rank} of {size}) but no rendezvous address: set HOROVOD_GLOO_RENDEZVOUS_ADDR "
+            "and HOROVOD_GLOO_RENDEZVOUS_PORT (or MASTER_ADDR and MASTER_PORT)."
+        )
+    store = dist.TCPStore(addr, port, size, is_master=(rank == 0), timeout=_timeout())
+    dist.init_process_group("myccl", store=store, rank=rank, world_size=size)
+
+
+def _topology(group, ranks: list[int]) -> None:
+    """local/cross ranks as Horovod defines them, from myccl's view of which ranks share a host
+    (hosts numbered by their lowest rank): cross_rank is this host's index among the hosts that
+    run a process with this local rank, cross_size how many such hosts there are."""
+    import c10d_ext
+
+    s = STATE
+    if s.size == 1:
+        s.local_rank, s.local_size, s.cross_rank, s.cross_size, s.homogeneous = 0, 1, 0, 1, True
+        return
+    mine = torch.tensor([c10d_ext.cross_rank(group), c10d_ext.local_rank(group)], dtype=torch.int64)
+    every = torch.empty(s.size * 2, dtype=torch.int64)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    pairs = every.view(s.size, 2).tolist()
+    host = pairs[s.rank][0]
+    per_host: dict[int, int] = {}
+    for h, _ in pairs:
+        per_host[h] = per_host.get(h, 0) + 1
+    s.local_rank = pairs[s.rank][1]
+    s.local_size = per_host[host]
+    hosts_with = sorted({h for h, lr in pairs if lr == s.local_rank})
+    s.cross_rank = hosts_with.index(host)
+    s.cross_size = len(hosts_with)
+    s.homogeneous = len(set(per_host.values())) == 1
+
+
+def _shrink_after_loss() -> None:
+    """The survivors of a lost rank agree on who is left and shrink the default group."""
+    import c10d_ext
+
+    s = STATE
+    if not hasattr(dist, "shrink_group"):
+        raise HorovodInternalError(
+            f"Horovod: a rank was lost and going on without it needs torch's shrink_group "
+            f"(torch 2.14 or newer); this is torch {torch.__version__}"
+        )
+    alive = c10d_ext.survivors(group=s.failed_group)  # hvd ranks, the same list on every survivor
+    gone = [s.torch_ranks[r] for r in range(len(s.torch_ranks)) if r not in alive]
+    if gone:
+        dist.shrink_group(gone, shrink_flags=getattr(dist, "SHRINK_ABORT", 0))
+
+
+def init(comm=None, process_sets=None) -> None:
+    from . import controller, process_sets as ps_mod
+
+    s = STATE
+    with s.lock:
+        if s.initialized:
+            return
+        if comm is not None and not isinstance(comm, (list, tuple)):
+            if type(comm).__module__.startswith("mpi4py"):
+                raise ValueError(
+                    "Horovod has not been built with MPI support. Ensure MPI is installed and "
+                    "reinstall Horovod with HOROVOD_WITH_MPI=1 to debug the build error."
+                )
+            raise ValueError(
+                "Invalid type of argument comm. Expected list of rank integers or mpi4py.MPI.Comm "
+                "object."
+            )
+        if isinstance(process_sets, str):
+            if process_sets.lower() != "dynamic":
+                raise ValueError(f"Invalid value of argument process_sets: {process_sets!r}")
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+            process_sets = None
+        if s.lost_rank and dist.is_initialized():
+            _shrink_after_loss()
+            s.lost_rank = False
+            s.failed_group = None
+        if not dist.is_initialized():
+            _make_default_group()
+            s.made_default = True
+        import c10d_ext  # noqa: F401
+
+        world = dist.get_world_size()
+        ranks = sorted(set(comm)) if comm else list(range(world))
+        if any(r < 0 or r >= world for r in ranks):
+            raise ValueError(f"Horovod initialization failed: comm ranks {ranks} outside 0..{world - 1}")
+        me = dist.get_rank()
+        if me not in ranks:
+            raise ValueError(f"Horovod initialization failed: this process (rank {me}) is not in comm {ranks}")
+        s.torch_ranks = ranks
+        s.rank = ranks.index(me)
+        s.size = len(ranks)
+        s.timeout = _timeout()
+        local = len(ranks) != world
+        s.group = dist.new_group(ranks, backend="myccl", use_local_synchronization=local)
+        s.admin = dist.new_group(ranks, backend="myccl", use_local_synchronization=local)
+        _topology(s.admin, ranks)
+        s.initialized = True
+        ps_mod._init_sets(process_sets)
+        controller.start_all()
+        if not s.atexit:
+            atexit.register(shutdown)
+            s.atexit = True
+
+
+def shutdown() -> None:
+    from . import controller, process_sets as ps_mod
+
+    s = STATE
+    with s.lock:
+        if not s.initialized:
+            return
+        failed = controller.stop_all()
+        s.lost_rank = s.lost_rank or failed
+        if s.lost_rank:
+            s.failed_group = s.group
+        ps_mod._drop_sets(destroy=not s.lost_rank)
+        for g in (s.group, s.admin):
+            if g is not None and not s.lost_rank:
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:  # noqa: BLE001 - already torn down
+                    pass
+        s.group = s.admin = None
+        s.initialized = False
+        if s.made_default and not s.lost_rank and dist.is_initialized():
+            dist.destroy_process_group()
+            s.made_default = False
+
+
+def is_initialized() -> bool:
+    return STATE.initialized
+
+
+def _check() -> _State:
+    if not STATE.initialized:
+        raise ValueError(NOT_INITIALIZED)
+    return STATE
+
+
+def size() -> int:
+    return _check().size
+
+
+def rank() -> int:
+    return _check().rank
+
+
+def local_size() -> int:
+    return _check().local_size
+
+
+def local_rank() -> int:
+    return _check().local_rank
+
+
+def cross_size() -> int:
+    return _check().cross_size
+
+
+def cross_rank() -> int:
+    return _check().cross_rank
+
+
+def is_homogeneous() -> bool:
+    return _check().homogeneous
+
+
+def mpi_threads_supported() -> bool:
+    raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and enabled.")
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    """Horovod's gloo controller is the one this layer behaves as; no gloo library is involved."""
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    """NCCL_VERSION_CODE of the NCCL myccl's CUDA engine was built with, or 0 without one."""
+    import c10d_ext
+
+    info = c10d_ext.build_info()
+    if not info.get("with_nccl"):
+        return 0
+    major, minor, patch = (int(x) for x in info.get("nccl_build_header", "0.0.0").split(".")[:3])
+    # NCCL's own encoding: from 2.9 on major*10000 + minor*100 + patch, before major*1000 + ...
+    return major * 10000 + minor * 100 + patch if (major, minor) >= (2, 9) else major * 1000 + minor * 100 + patch
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    import c10d_ext
+
+    return bool(c10d_ext.build_info().get("with_nccl"))
+
+
+def rocm_built() -> bool:
+    return False

@@ -1,0 +1,452 @@
+"""Horovod's coordination on myccl: one background thread per process set.
+
+Ops enqueue *requests* keyed by tensor name. A set's thread runs *cycles* while it has work:
+each cycle every member announces its new requests (fixed-size records: a hash of the name, a
+hash of everything that must agree, and what fusion and a joined rank need: kind, dtype, device,
+op, element counts, scale factors, root) in one all_gather of the set's group. Every member then
+holds the same table of who announced what, so all of them pick the same ready requests (all
+non-joined members announced) in the same order, check that they agree, fuse them and run the
+data collectives identically: no coordinator round trip, and a mismatch is found before any
+byte moves (a mismatched collective would leave the group unusable). A member with nothing
+announced and nothing new waits without cycling, so an idle job costs nothing; while requests
+wait on a peer, a member cycles at most once per HOROVOD_CYCLE_TIME.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+import logging
+import os
+import struct
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from .basics import STATE
+from .exceptions import SHUT_DOWN, HorovodInternalError
+
+log = logging.getLogger("c10d_ext.horovod")
+
+ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ADASUM, ALLTOALL, BARRIER, REDUCESCATTER = range(8)
+KIND_NAMES = ["ALLREDUCE", "ALLGATHER", "BROADCAST", "JOIN", "ADASUM", "ALLTOALL", "BARRIER", "REDUCESCATTER"]
+
+DTYPES = [torch.uint8, torch.int8, torch.uint16, torch.int16, torch.int32, torch.int64,
+          torch.float16, torch.float32, torch.float64, torch.bool, torch.bfloat16]
+DTYPE_NAMES = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32",
+               "float64", "bool", "bfloat16"]
+DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+
+SLOTS = 64  # requests a member announces per cycle (more go in the next, at once)
+FIELDS = 8  # int64 per record
+HEADER = 2  # count, flags
+
+
+_HASHES: dict = {}  # names and signatures repeat every step: hash each once
+
+
+def _h64(text: str) -> int:
+    h = _HASHES.get(text)
+    if h is None:
+        if len(_HASHES) > 1 << 16:
+            _HASHES.clear()
+        h = _HASHES[text] = struct.unpack("<q", hashlib.blake2b(text.encode(), digest_size=8).digest())[0]
+    return h
+
+
+def _fbits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bitsf(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(b)))[0]
+
+
+_SIGS: dict = {}
+
+
+class Request:
+    """One tensor of one op on this rank. ``desc`` is what must agree across ranks (printed in
+    mismatch errors); ``rows`` the first dimension where ranks may differ (allgather, alltoall)."""
+
+    __slots__ = ("kind", "name", "nhash", "tensor", "output", "op", "pre", "post", "root",
+                 "splits", "handle", "slot", "desc", "sighash", "rows", "rowsize", "result",
+                 "cuda_event", "is_cuda", "dtype")
+
+    def __init__(self, kind, name, tensor, output=None, op=0, pre=1.0, post=1.0, root=-1, splits=None):
+        self.kind, self.name, self.tensor, self.output = kind, name, tensor, output
+        self.op, self.pre, self.post, self.root, self.splits = op, pre, post, root, splits
+        self.nhash = _h64(name)
+        self.handle = None
+        self.slot = 0
+        self.result = None
+        self.cuda_event = None
+        if tensor is None:  # join, barrier
+            self.dtype, self.is_cuda, shape = None, False, ()
+        else:
+            self.dtype, self.is_cuda, shape = tensor.dtype, tensor.is_cuda, tuple(tensor.shape)
+        self.rows = shape[0] if shape else 0
+        self.rowsize = 1
+        for d in shape[1:]:
+            self.rowsize *= d
+        varies = kind in (ALLGATHER, ALLTOALL)
+        self.desc = (KIND_NAMES[kind], DTYPE_NAMES[DTYPE_CODE[self.dtype]] if self.dtype is not None else "",
+                     "GPU" if self.is_cuda else "CPU", shape, float(pre), float(post), int(op), int(root))
+        sig = (kind, self.desc[1], self.is_cuda, (len(shape), shape[1:]) if varies else shape, self.desc[4],
+               self.desc[5], self.desc[6], self.desc[7])
+        h = _SIGS.get(sig)
+        if h is None:
+            if len(_SIGS) > 1 << 16:
+                _SIGS.clear()
+            h = _SIGS[sig] = _h64(repr(sig))
+        self.sighash = h
+
+    def record(self) -> list[int]:
+        ndim = self.tensor.dim() if self.tensor is not None else 0
+        code = (self.kind | (DTYPE_CODE.get(self.dtype, 0) << 8) | (int(self.is_cuda) << 16) | (self.op << 20)
+                | (min(ndim, 255) << 24))
+        numel = self.tensor.numel() if self.tensor is not None else 0
+        return [self.nhash, self.sighash, code, numel, self.rows, _fbits(self.pre), _fbits(self.post), self.root]
+
+
+class Handle:
+    """What an async op returns a number for: done when every request of the op is."""
+
+    __slots__ = ("parts", "remaining", "error", "event", "finish", "cuda_event", "ctrl")
+
+    def __init__(self, parts: list[Request], finish):
+        self.parts = parts
+        self.remaining = len(parts)
+        self.error = None
+        self.event = threading.Event()
+        self.finish = finish  # () -> the value synchronize returns
+        self.cuda_event = None
+        self.ctrl = None
+        for i, r in enumerate(parts):
+            r.handle, r.slot = self, i
+
+    def part_done(self, req: Request, error: BaseException | None = None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        if req.cuda_event is not None:
+            self.cuda_event = req.cuda_event
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self.event.set()
+
+
+class Announced:
+    """The table entry of one name: each member's record, in the order they came."""
+
+    __slots__ = ("recs", "first")
+
+    def __init__(self, first: int):
+        self.recs: dict[int, list[int]] = {}
+        self.first = first
+
+
+def _threshold() -> int:
+    try:
+        return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024))
+    except ValueError:
+        return 128 * 1024 * 1024
+
+
+def _cycle_seconds() -> float:
+    try:
+        return float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1000.0
+    except ValueError:
+        return 0.001
+
+
+class SetController(threading.Thread):
+    def __init__(self, entry):
+        super().__init__(name=f"hvd-set{entry.id}", daemon=True)
+        self.entry = entry
+        self.group = entry.group
+        self.size = len(entry.ranks)
+        self.me = entry.ranks.index(STATE.rank)
+        self.is_global = entry.id == 0
+        self.cond = threading.Condition()
+        self.queue: list[Request] = []
+        self.in_flight: dict[str, Request] = {}  # name -> request, for the duplicate check
+        self.mine: dict[int, Request] = {}  # announced here, not done: name hash -> request
+        self.table: dict[int, Announced] = {}
+        self.joined: dict[int, int] = {}  # member -> cycle it joined in
+        self.join_req: Request | None = None
+        self.join_device = -1
+        self.stopping = False
+        self.failed: BaseException | None = None
+        self.cycles = 0
+        self.fusion_threshold = _threshold()
+        self.cycle_time = _cycle_seconds()
+        self.driver = threading.Lock()  # held by whoever runs a cycle
+        self.last_cycle = 0.0  # when the last cycle began (monotonic)
+        self.progress = True  # the last cycle announced or ran something
+        self.others_more = False  # some member has more queued than one cycle announces
+        self.busy = False  # inside a cycle (for stop: a blocked one needs its group aborted)
+        # The cycle's message and what it gathers, as Python arrays that tensors view: records
+        # go in and come out without a tensor op per field.
+        width = HEADER + SLOTS * FIELDS
+        self.width = width
+        self.msg_arr = array("q", bytes(8 * width))
+        self.msg = torch.frombuffer(self.msg_arr, dtype=torch.int64)
+        self.gathered_arr = array("q", bytes(8 * width * self.size))
+        self.gathered = torch.frombuffer(self.gathered_arr, dtype=torch.int64)
+
+    # ---- the caller's side -------------------------------------------------------------------
+    def submit(self, requests: list[Request], wake: bool = True) -> None:
+        """Atomically enqueues the requests of one op (a grouped op's members negotiate and fuse
+        together), or raises as Horovod does at enqueue."""
+        with self.cond:
+            if self.failed is not None or self.stopping:
+                raise HorovodInternalError(SHUT_DOWN)
+            for r in requests:
+                if r.kind not in (JOIN, BARRIER) and r.name in self.in_flight:
+                    from .exceptions import DUPLICATE_NAME
+
+                    raise ValueError(DUPLICATE_NAME)
+            for r in requests:
+                if r.kind == JOIN:
+                    self.join_req = r
+                else:
+                    if r.kind != BARRIER:
+                        self.in_flight[r.name] = r
+                    self.queue.append(r)
+            if wake:  # a synchronous op's caller runs the cycle itself (drive)
+                self.cond.notify()
+
+    # ---- the thread ----------------------------------------------------------------------------
+    def run(self) -> None:
+        # Grad mode is per thread: the data ops here must never record autograd history (the
+        # ops' autograd Functions wrap the caller's side).
+        for fn in THREAD_INIT:
+            fn()
+        with torch.no_grad():
+            self._loop()
+
+    def _has_work(self) -> bool:
+        return bool(self.queue or self.mine or self.join_req)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not (self._has_work() or self.stopping or self.failed):
+                    self.cond.wait()
+                if self.stopping or self.failed:
+                    break
+                # Horovod's cycle: asynchronous requests gather for up to one cycle time after
+                # the last cycle began, so that those submitted together fuse.
+                pause = self.last_cycle + self.cycle_time - time.monotonic()
+                if pause > 0:
+                    self.cond.wait(pause)
+            with self.driver:
+                if not self.step():
+                    return
+        if not self.failed:
+            self._fail(HorovodInternalError(SHUT_DOWN), stopping=True)
+
+    def step(self) -> bool:
+        """One cycle, run by whoever holds ``driver``: this thread, or a caller waiting on a
+        synchronous op (which saves two thread switches per op). False once the set failed."""
+        with self.cond:
+            if self.failed or self.stopping or not self._has_work():
+                return not self.failed
+            if not self.queue and not self.progress and not self.others_more:
+                # Requests wait on peers and nothing changed: one cycle time, or new work.
+                self.cond.wait(self.cycle_time)
+                if self.stopping:
+                    return True
+            batch = self.queue[:SLOTS]
+            del self.queue[:SLOTS]
+            more = bool(self.queue)
+        try:
+            self.busy = True
+            self.progress, self.others_more = self._cycle(batch, more)
+            return True
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
+            self._fail(HorovodInternalError(str(e)) if not isinstance(e, HorovodInternalError) else e)
+            return False
+        finally:
+            self.busy = False
+
+    def drive(self, handle: "Handle") -> None:
+        """Waits for `handle`, running cycles on this (the caller's) thread while the set's own
+        thread is not running one."""
+        while not handle.event.is_set():
+            if self.failed is not None or self.stopping:
+                handle.event.wait(0.01)
+                continue
+            if self.driver.acquire(blocking=False):
+                try:
+                    if not handle.event.is_set():
+                        with torch.no_grad():
+                            self.step()
+                finally:
+                    self.driver.release()
+            else:
+                handle.event.wait(0.0005)
+
+    def _fail(self, error: BaseException, stopping: bool = False) -> None:
+        with self.cond:
+            if not stopping and self.failed is None:
+                self.failed = error
+            reqs = list(self.mine.values()) + self.queue + ([self.join_req] if self.join_req else [])
+            self.mine.clear()
+            self.queue.clear()
+            self.in_flight.clear()
+            self.join_req = None
+        for r in reqs:
+            r.handle.part_done(r, error)
+        if not stopping:
+            log.warning("hvd: process set %d failed: %s", self.entry.id, error)
+
+    def _cycle(self, batch: list[Request], more: bool) -> tuple[bool, bool]:
+        self.cycles += 1
+        self.last_cycle = time.monotonic()
+        tl = TIMELINE[0] if STATE.rank == 0 else None
+        if tl is not None:
+            tl.mark_cycle_start()
+        joining = self.join_req is not None and self.me not in self.joined
+        recs = [r.record() for r in batch]
+        if joining:
+            recs.append(self.join_req.record())
+        m = self.msg_arr
+        m[0] = len(recs)
+        m[1] = 2 if more else 0
+        if recs:
+            m[HEADER:HEADER + len(recs) * FIELDS] = array("q", [x for rec in recs for x in rec])
+        for r in batch:
+            self.mine[r.nhash] = r
+        if self.size > 1:
+            dist.all_gather_into_tensor(self.gathered, self.msg, group=self.group)
+            g = self.gathered_arr
+        else:
+            g = m
+        width = self.width
+        announced = 0
+        flags = []
+        for member in range(self.size):
+            base = member * width
+            n = g[base]
+            flags.append(g[base + 1])
+            if not n:
+                continue
+            announced += n
+            for i in range(n):
+                at = base + HEADER + i * FIELDS
+                rec = g[at:at + FIELDS].tolist()
+                if rec[2] & 0xFF == JOIN:
+                    self.joined.setdefault(member, self.cycles)
+                    continue
+                entry = self.table.get(rec[0])
+                if entry is None:
+                    entry = self.table[rec[0]] = Announced(self.cycles)
+                    if tl is not None:
+                        mine = self.mine.get(rec[0])
+                        if mine is not None:
+                            tl.negotiate_start(mine.name, mine.desc[0])
+                entry.recs[member] = rec
+                if tl is not None and rec[0] in self.mine:
+                    tl.negotiate_rank_ready(self.mine[rec[0]].name, member)
+        others_more = any(f & 2 for f in flags)
+        needed = self.size - len(self.joined)
+        ready = [(h, e) for h, e in self.table.items() if len(e.recs.keys() - self.joined.keys()) >= needed and needed > 0]
+        for h, _ in ready:
+            del self.table[h]
+        if ready:
+            from . import execute
+
+            execute.run(self, ready, tl)
+        if self.joined and len(self.joined) == self.size:
+            self._finish_join()
+            return True, others_more
+        return bool(ready) or announced > 0, others_more
+
+    def _finish_join(self) -> None:
+        last_cycle = max(self.joined.values())
+        last = max(m for m, c in self.joined.items() if c == last_cycle)
+        self.joined.clear()
+        req = self.join_req
+        self.join_req = None
+        if req is not None:
+            req.result = self.entry.ranks[last]
+            req.handle.part_done(req)
+
+    def complete(self, req: Request, error: BaseException | None = None) -> None:
+        """Called by execute for each of this rank's requests, once its result is in place."""
+        self.mine.pop(req.nhash, None)
+        with self.cond:
+            self.in_flight.pop(req.name, None)
+        req.handle.part_done(req, error)
+
+
+_CONTROLLERS: dict[int, SetController] = {}
+THREAD_INIT: list = []  # callables each controller thread runs first (the CUDA double's tests)
+TIMELINE: list = [None]  # the Timeline rank 0 writes, when one is on (mpi_ops.start_timeline)
+
+
+def start_set(entry) -> None:
+    if entry.group is None:
+        return
+    c = SetController(entry)
+    entry.controller = c
+    _CONTROLLERS[entry.id] = c
+    c.start()
+
+
+def start_all() -> None:
+    from .process_sets import _TABLE
+
+    for entry in _TABLE.values():
+        start_set(entry)
+
+
+def _abort(group) -> None:
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        if hasattr(backend, "abort"):
+            backend.abort()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def stop_set(entry, grace: float = 5.0) -> bool:
+    """Stops a set's thread; returns whether the set had failed (a lost or broken peer)."""
+    c = _CONTROLLERS.pop(entry.id, None)
+    if c is None:
+        return False
+    with c.cond:
+        c.stopping = True
+        c.cond.notify_all()
+    c.join(grace)
+    if c.is_alive():  # blocked in a collective whose peers are gone: unblock it
+        _abort(c.group)
+        c.join(grace)
+        c.failed = c.failed or HorovodInternalError(SHUT_DOWN)
+    entry.controller = None
+    return c.failed is not None
+
+
+def stop_all() -> bool:
+    from .process_sets import _TABLE
+
+    failed = False
+    for entry in sorted(_TABLE.values(), key=lambda e: -e.id):
+        failed = stop_set(entry) or failed
+    return failed
+
+
+def controller_for(entry) -> SetController:
+    c = entry.controller
+    if c is None:
+        raise HorovodInternalError(SHUT_DOWN)
+    return c
+
+
+def wait_all_idle(timeout: float = 0.0) -> None:  # pragma: no cover - debugging aid
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(c.mine or c.queue for c in _CONTROLLERS.values()):
+        time.sleep(0.001)

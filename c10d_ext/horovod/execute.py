@@ -1,0 +1,397 @@
+"""What a set's members run once a cycle found requests ready on all of them: Horovod's
+validation (its messages, checked in its order), tensor fusion, and the data collectives on the
+set's myccl group. Every member calls ``run`` with the same ready list, so every decision here
+(what fails, what fuses with what, the order of the collectives) comes out the same on each."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import controller as C
+from .exceptions import HorovodInternalError
+
+_JOIN_UNSUPPORTED = {
+    C.ALLGATHER: "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if using DistributedOptimizer",
+    C.ALLTOALL: "Alltoall is not supported with Join at this time.",
+    C.BROADCAST: "Broadcast is not supported with Join at this time.",
+    C.REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
+}
+_REDUCE = {1: dist.ReduceOp.SUM, 3: dist.ReduceOp.MIN, 4: dist.ReduceOp.MAX, 5: dist.ReduceOp.PRODUCT}
+_FUSABLE = (C.ALLREDUCE, C.ADASUM, C.ALLGATHER)
+
+
+def _kind(rec) -> int:
+    return rec[2] & 0xFF
+
+
+def _dtype(rec) -> torch.dtype:
+    return C.DTYPES[(rec[2] >> 8) & 0xFF]
+
+
+def _on_cuda(rec) -> bool:
+    return bool((rec[2] >> 16) & 1)
+
+
+def _op(rec) -> int:
+    return (rec[2] >> 20) & 0xF
+
+
+def _ndim(rec) -> int:
+    return (rec[2] >> 24) & 0xFF
+
+
+def _shape(s) -> str:
+    return "[" + ", ".join(str(d) for d in s) + "]"
+
+
+def mismatch_message(descs: list) -> str:
+    """Horovod's coordinator checks, first failure wins, comparing the lowest member that sent
+    the tensor with each other one. A desc is Request.desc: (type, dtype, device, shape, pre,
+    post, op, root)."""
+    sent = [d for d in descs if d is not None]
+    first = sent[0]
+    t0 = first[0]
+    for d in sent[1:]:
+        if d[1] != first[1]:
+            return f"Mismatched data types: One rank had type {first[1]}, but another rank had type {d[1]}."
+    for d in sent[1:]:
+        if d[0] != t0:
+            return f"Mismatched operations: One rank did an {t0}, but another rank did an {d[0]}."
+    if t0 in ("ALLREDUCE", "ADASUM", "BROADCAST", "REDUCESCATTER"):
+        for d in sent[1:]:
+            if d[3] != first[3]:
+                return (f"Mismatched {t0} tensor shapes: One rank sent a tensor of shape {_shape(first[3])}, "
+                        f"but another rank sent a tensor of shape {_shape(d[3])}.")
+    if t0 in ("ALLREDUCE", "ADASUM", "REDUCESCATTER"):
+        for d in sent[1:]:
+            if (d[4], d[5]) != (first[4], first[5]):
+                return (f"Mismatched prescale and/or postscale factors: One rank sent factors "
+                        f"({first[4]:g}, {first[5]:g}), but another rank sent factors ({d[4]:g}, {d[5]:g}).")
+    if t0 == "ALLREDUCE":
+        for d in sent[1:]:
+            if d[6] != first[6]:
+                return (f"Mismatched reduction operation: One rank sent reduction op {first[6]}, "
+                        f"but another rank sent reduction op {d[6]}.")
+    if t0 in ("ALLGATHER", "ALLTOALL"):
+        if descs[0] is not None and len(descs[0][3]) == 0:
+            return f"Process-set rank zero tried to {t0} a rank-zero tensor."
+        for d in sent[1:]:
+            if len(d[3]) != len(first[3]):
+                return (f"Mismatched {t0} tensor shapes: One rank sent a tensor of rank {len(first[3])}, "
+                        f"but another rank sent a tensor of rank {len(d[3])}.")
+        for d in sent[1:]:
+            for k in range(1, len(first[3])):
+                if d[3][k] != first[3][k]:
+                    return (f"Mismatched {t0} tensor shapes: One rank sent a tensor with dimension {k} equal "
+                            f"to {first[3][k]}, but another rank sent a tensor with dimension {k} equal to {d[3][k]}.")
+    if t0 == "BROADCAST":
+        for d in sent[1:]:
+            if d[7] != first[7]:
+                return (f"Mismatched BROADCAST root ranks: One rank specified root rank {first[7]}, "
+                        f"but another rank specified root rank {d[7]}.")
+    for d in sent[1:]:
+        if d[2] != first[2]:
+            return (f"Mismatched {t0} CPU/GPU device selection: One rank specified device {first[2]}, "
+                    f"but another rank specified device {d[2]}.")
+    return "Mismatched requests for one tensor name (the ranks sent different parameters)."
+
+
+def run(ctrl, ready: list, tl) -> None:
+    """ready: [(name hash, Announced)] in table order, the same on every member."""
+    responses = []  # (kind, hash, recs by member, error text or None)
+    mismatched = []
+    for h, entry in ready:
+        recs = entry.recs
+        first = recs[min(recs)]
+        kind = _kind(first)
+        if len({r[1] for r in recs.values()}) > 1:
+            mismatched.append(h)
+            responses.append([kind, h, recs, None])
+            continue
+        err = None
+        if ctrl.joined and kind in _JOIN_UNSUPPORTED:
+            err = _JOIN_UNSUPPORTED[kind]
+        elif kind in (C.ALLGATHER, C.ALLTOALL) and _ndim(recs[min(recs)]) == 0:
+            err = f"Process-set rank zero tried to {C.KIND_NAMES[kind]} a rank-zero tensor."
+        responses.append([kind, h, recs, err])
+    if mismatched:
+        _explain(ctrl, responses, mismatched)
+    for bucket in _fuse(ctrl, responses):
+        _execute(ctrl, bucket, tl)
+
+
+def _explain(ctrl, responses, mismatched) -> None:
+    """Mismatches are rare: one more exchange (every member knows the list) gets each member's
+    description of the disagreeing tensors for Horovod's message."""
+    mine = {h: ctrl.mine[h].desc for h in mismatched if h in ctrl.mine}
+    every = [None] * ctrl.size
+    dist.all_gather_object(every, mine, group=ctrl.group)
+    for resp in responses:
+        if resp[1] in mismatched:
+            descs = [(e or {}).get(resp[1]) for e in every]
+            resp[3] = mismatch_message(descs)
+
+
+def _nbytes(resp) -> int:
+    kind, _, recs, _ = resp
+    first = recs[min(recs)]
+    item = _dtype(first).itemsize
+    if kind == C.ALLGATHER:
+        rowsize = first[3] // first[4] if first[4] else 0
+        return item * rowsize * sum(r[4] for r in recs.values())
+    return item * first[3]
+
+
+def _fuse(ctrl, responses):
+    """Horovod's fusion: an allreduce/adasum (or allgather) takes later compatible ones (same
+    kind, dtype, device, op and scale factors) while the bytes stay within the threshold."""
+    threshold = ctrl.fusion_threshold
+    if len(responses) == 1:
+        yield responses
+        return
+    taken = [False] * len(responses)
+    for i, resp in enumerate(responses):
+        if taken[i]:
+            continue
+        taken[i] = True
+        bucket = [resp]
+        if resp[3] is None and resp[0] in _FUSABLE and threshold > 0:
+            first = resp[2][min(resp[2])]
+            key = (first[2] & 0xFFFFFF, first[5], first[6])
+            size = _nbytes(resp)
+            for j in range(i + 1, len(responses)):
+                other = responses[j]
+                if taken[j] or other[3] is not None or other[0] != resp[0]:
+                    continue
+                o = other[2][min(other[2])]
+                if (o[2] & 0xFFFFFF, o[5], o[6]) != key:
+                    continue
+                b = _nbytes(other)
+                if size + b > threshold:
+                    continue
+                size += b
+                taken[j] = True
+                bucket.append(other)
+        yield bucket
+
+
+def _scale(t: torch.Tensor, factor: float) -> None:
+    if factor == 1.0:
+        return
+    if t.is_floating_point():
+        t.mul_(factor)
+    else:  # Horovod scales integers through a double and truncates toward zero
+        t.copy_((t.to(torch.float64) * factor).trunc())
+
+
+def _wait_inputs(reqs) -> None:
+    for r in reqs:
+        if r is not None and r.cuda_event is not None:
+            torch.cuda.current_stream(r.tensor.device).wait_event(r.cuda_event)
+            r.cuda_event = None
+
+
+def _mark_done(reqs) -> None:
+    cuda = [r for r in reqs if r is not None and r.is_cuda]
+    if cuda:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(cuda[0].tensor.device))
+        for r in cuda:
+            r.cuda_event = ev
+
+
+def _execute(ctrl, bucket, tl) -> None:
+    kind = bucket[0][0]
+    reqs = [ctrl.mine.get(resp[1]) for resp in bucket]
+    names = [r.name for r in reqs if r is not None]
+    if bucket[0][3] is not None:  # an error response (never fused)
+        for r in reqs:
+            if r is not None:
+                ctrl.complete(r, HorovodInternalError(f"{bucket[0][3]} (tensor {r.name})"))
+        return
+    if tl is not None:
+        for n in names:
+            tl.negotiate_end(n)
+            tl.start(n, C.KIND_NAMES[kind])
+    dev = next((r.tensor.device for r in reqs if r is not None and r.is_cuda), None)
+    try:
+        if dev is not None and torch.cuda.current_device() != dev.index:
+            torch.cuda.set_device(dev)
+        _wait_inputs(reqs)
+        if kind in (C.ALLREDUCE, C.ADASUM):
+            _allreduce(ctrl, bucket, reqs)
+        elif kind == C.ALLGATHER:
+            _allgather(ctrl, bucket, reqs)
+        elif kind == C.BROADCAST:
+            _broadcast(ctrl, reqs[0])
+        elif kind == C.ALLTOALL:
+            _alltoall(ctrl, reqs[0])
+        elif kind == C.REDUCESCATTER:
+            _reducescatter(ctrl, bucket[0], reqs[0])
+        _mark_done(reqs)
+    except Exception:
+        for r in reqs:
+            if r is not None and tl is not None:
+                tl.end(r.name)
+        raise
+    for r in reqs:
+        if r is None:
+            continue
+        if tl is not None:  # Horovod records the output's shape
+            out = r.result if r.result is not None else r.output
+            out = out[0] if isinstance(out, tuple) else out
+            shape = list(out.shape) if out is not None else list(r.tensor.shape)
+            tl.end(r.name, C.DTYPE_NAMES[C.DTYPE_CODE[r.dtype]], shape)
+        ctrl.complete(r)
+
+
+def _joined_zeros(ctrl, rec) -> torch.Tensor:
+    dev = "cpu" if ctrl.join_device < 0 else f"cuda:{ctrl.join_device}"
+    return torch.zeros(rec[3], dtype=_dtype(rec), device=dev)
+
+
+def _allreduce(ctrl, bucket, reqs) -> None:
+    first = bucket[0][2][min(bucket[0][2])]
+    op, pre, post = _op(first), C._bitsf(first[5]), C._bitsf(first[6])
+    kind = bucket[0][0]
+    if kind == C.ALLREDUCE and op == 0:  # Average: the sum times postscale / set size
+        post = post / ctrl.size
+    # The buffer the collective runs on: the tensor itself (in place) or a copy whose views are
+    # the results; a fused buffer for several, copied back into in-place tensors at the end.
+    if len(bucket) == 1 and reqs[0] is not None:
+        r = reqs[0]
+        buf = r.tensor.view(-1) if r.output is r.tensor else r.tensor.reshape(-1).clone()
+        _reduce(ctrl, buf, [buf.numel()], kind, op, pre, post)
+        if r.output is None:
+            r.result = buf.view(r.tensor.shape)
+        return
+    ins = [r.tensor.reshape(-1) if r is not None else _joined_zeros(ctrl, resp[2][min(resp[2])])
+           for r, resp in zip(reqs, bucket)]
+    sizes = [t.numel() for t in ins]
+    buf = torch.cat(ins) if len(ins) > 1 else ins[0].clone()
+    _reduce(ctrl, buf, sizes, kind, op, pre, post)
+    parts = buf.split(sizes)
+    inplace_dst, inplace_src = [], []
+    for r, part in zip(reqs, parts):
+        if r is None:
+            continue
+        if r.output is None:
+            r.result = part.view(r.tensor.shape)
+        else:
+            inplace_dst.append(r.output.view(-1))
+            inplace_src.append(part)
+    if inplace_dst:
+        torch._foreach_copy_(inplace_dst, inplace_src)
+
+
+def _reduce(ctrl, buf, sizes, kind, op, pre, post) -> None:
+    _scale(buf, pre)
+    if kind == C.ADASUM:
+        from .adasum import adasum_allreduce_
+
+        adasum_allreduce_(buf, sizes, ctrl.group, ctrl.entry.ranks)
+    elif ctrl.size > 1:
+        dist.all_reduce(buf, op=_REDUCE.get(op, dist.ReduceOp.SUM), group=ctrl.group)
+    _scale(buf, post)
+
+
+def _allgather(ctrl, bucket, reqs) -> None:
+    """Ranks' first dimensions may differ: each member's contributions of all the bucket's
+    tensors go in one padded block, one all_gather, then each output is cut out of the blocks."""
+    size = ctrl.size
+    counts = []  # per tensor: elements each member contributes
+    for resp in bucket:
+        recs = resp[2]
+        first = recs[min(recs)]
+        rowsize = first[3] // first[4] if first[4] else _rowsize(reqs, resp)
+        counts.append([recs[m][4] * rowsize for m in range(size)])
+    per_member = [sum(c[m] for c in counts) for m in range(size)]
+    block = max(per_member)
+    mine = [r.tensor.reshape(-1) for r in reqs]
+    dtype, device = reqs[0].tensor.dtype, reqs[0].tensor.device
+    if len(bucket) == 1 and len(set(per_member)) == 1:
+        out = torch.empty(block * size, dtype=dtype, device=device)
+        if size > 1:
+            dist.all_gather_into_tensor(out, mine[0], group=ctrl.group)
+        else:
+            out.copy_(mine[0])
+        r = reqs[0]
+        r.result = out.view((-1,) + tuple(r.tensor.shape[1:]))
+        return
+    send = torch.empty(block, dtype=dtype, device=device)
+    if mine:
+        torch.cat(mine, out=send[:per_member[ctrl.me]])
+    recv = torch.empty(block * size, dtype=dtype, device=device)
+    dist.all_gather_into_tensor(recv, send, group=ctrl.group)
+    offsets = [m * block for m in range(size)]
+    for t, (r, c) in enumerate(zip(reqs, counts)):
+        pieces = []
+        for m in range(size):
+            pieces.append(recv[offsets[m]:offsets[m] + c[m]])
+            offsets[m] += c[m]
+        r.result = torch.cat(pieces).view((-1,) + tuple(r.tensor.shape[1:]))
+
+
+def _rowsize(reqs, resp) -> int:
+    r = next((q for q in reqs if q is not None and q.nhash == resp[1]), None)
+    return r.rowsize if r is not None else 0
+
+
+def _broadcast(ctrl, r) -> None:
+    root = ctrl.entry.ranks.index(r.root)
+    out = r.output
+    if out is not r.tensor and ctrl.me == root:
+        out.copy_(r.tensor)
+    if ctrl.size > 1:
+        dist.broadcast(out, group_src=root, group=ctrl.group)
+
+
+def _alltoall(ctrl, r) -> None:
+    size = ctrl.size
+    send_splits = r.splits.to(torch.int64)
+    recv_splits = torch.empty(size, dtype=torch.int64)
+    if size > 1:
+        dist.all_to_all_single(recv_splits, send_splits, group=ctrl.group)
+    else:
+        recv_splits.copy_(send_splits)
+    sends = send_splits.tolist()
+    recvs = recv_splits.tolist()
+    rest = tuple(r.tensor.shape[1:])
+    inp = r.tensor[:sum(sends)]
+    out = torch.empty((sum(recvs),) + rest, dtype=r.tensor.dtype, device=r.tensor.device)
+    if size > 1:
+        dist.all_to_all_single(out, inp, output_split_sizes=recvs, input_split_sizes=sends, group=ctrl.group)
+    else:
+        out.copy_(inp)
+    r.result = (out, recv_splits.to(torch.int32).to(r.splits.device))
+
+
+def _reducescatter(ctrl, resp, r) -> None:
+    """Rows split as Horovod does: the first dim0 % size members get one row more. Uneven
+    splits go through one padded reduce_scatter (every block one row longer)."""
+    size = ctrl.size
+    first = resp[2][min(resp[2])]
+    pre, post = C._bitsf(first[5]), C._bitsf(first[6])
+    t = r.tensor
+    rest = tuple(t.shape[1:])
+    d, extra = divmod(t.shape[0], size)
+    rows = [d + (1 if m < extra else 0) for m in range(size)]
+    inp = t.clone() if pre != 1.0 else t
+    _scale(inp, pre)
+    if size == 1:
+        out = inp.clone() if inp is t else inp
+    elif extra == 0:
+        out = torch.empty((d,) + rest, dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_tensor(out, inp.contiguous(), group=ctrl.group)
+    else:
+        padded = torch.zeros((size * (d + 1),) + rest, dtype=t.dtype, device=t.device)
+        off = 0
+        for m in range(size):
+            padded[m * (d + 1):m * (d + 1) + rows[m]] = inp[off:off + rows[m]]
+            off += rows[m]
+        got = torch.empty((d + 1,) + rest, dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_tensor(got, padded, group=ctrl.group)
+        out = got[:rows[ctrl.me]]
+    _scale(out, post)
+    r.result = out
