@@ -228,6 +228,10 @@ VARS: list[Var] = [
         "sets the level of the 'c10d_ext' Python logger, to which C++ messages go; unset, the "
         "application's logging configuration decides (Python's default shows warnings and errors)",
         cpp=False, python_default="", show=_show_str),
+    Var("MYCCL_HVD_RSH", _str,
+        "c10d_ext.horovod.run: how to run a command on another host, a command prefix with {host} "
+        "(and optionally {command}), e.g. 'ip netns exec {host}'; unset: ssh", cpp=False,
+        python_default="", show=_show_str),
     Var("MYCCL_TEST_CONNECT_DELAY_MS", _int(0),
         "testing only: pause before connecting the TCP mesh (lets tests knock on a listener)", public=False),
     Var("MYCCL_BLOCKING_WAIT", _bool,
