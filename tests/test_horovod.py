@@ -13,9 +13,24 @@ DTYPES_REDUCE = [torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.
 DTYPES_MOVE = DTYPES_REDUCE + [torch.uint8, torch.int8, torch.int16]
 
 
+DOUBLE = {"MYCCL_TEST_CUDA_DOUBLE": "1"}
+# (world size, world env): 1-4 ranks on CPU, and 2 ranks whose tensors myccl's CUDA engine takes
+# (the strict CUDA double stands in for CUDA and NCCL)
+SIZES = [pytest.param(n, None, id=str(n)) for n in (1, 2, 3, 4)] + [pytest.param(2, DOUBLE, id="2-cuda-double")]
+
+
 def start(ctx, **kw):
+    import os
+
     import c10d_ext.horovod as hvd
 
+    if os.environ.get("MYCCL_TEST_CUDA_DOUBLE") == "1":  # each thread that issues CUDA work selects a device
+        import cuda_double
+
+        import c10d_ext.horovod.controller as C
+
+        cuda_double.set_device(ctx.rank)
+        C.THREAD_INIT[:] = [lambda: cuda_double.set_device(ctx.rank)]
     ctx.init()
     hvd.init(**kw)
     return hvd
@@ -24,7 +39,10 @@ def start(ctx, **kw):
 def stop(hvd):
     import torch.distributed as dist
 
+    import c10d_ext.horovod.controller as C
+
     hvd.shutdown()
+    C.THREAD_INIT.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -148,10 +166,10 @@ def _reduce_cases():
     return cases
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_allreduce(run, size):
+@pytest.mark.parametrize("size,world_env", SIZES)
+def test_allreduce(run, size, world_env):
     cases = _reduce_cases()
-    for r, got in enumerate(run(size, _allreduce, cases, timeout=120)):
+    for r, got in enumerate(run(size, _allreduce, cases, timeout=120, world_env=world_env)):
         for i, ((dtype, op, pre, post, _), out) in enumerate(zip(cases, got)):
             want = _expect_reduce(size, dtype, op, pre=pre, post=post, salt=i % 2)
             assert out.dtype == dtype, (i, out.dtype)
@@ -256,9 +274,9 @@ def _rows(total, n, r):
     return start, d + (1 if r < extra else 0)
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_allgather_broadcast_alltoall_reducescatter(run, size):
-    for r, out in enumerate(run(size, _movers, timeout=120)):
+@pytest.mark.parametrize("size,world_env", SIZES)
+def test_allgather_broadcast_alltoall_reducescatter(run, size, world_env):
+    for r, out in enumerate(run(size, _movers, timeout=120, world_env=world_env)):
         for dt, got in zip(DTYPES_MOVE, out["ag"]):
             assert torch.equal(got, torch.cat([value(s, dt, (s + 1, 2)) for s in range(size)])), dt
         assert torch.equal(out["ag_async"], torch.cat([torch.full((s % 2, 3), float(s)) for s in range(size)]))
@@ -370,12 +388,6 @@ def test_sparse_allreduce(run):
 
 # ---- CUDA path on the strict double ------------------------------------------------------------
 def _on_double(ctx):
-    import cuda_double
-
-    import c10d_ext.horovod.controller as C
-
-    cuda_double.set_device(ctx.rank)
-    C.THREAD_INIT[:] = [lambda: cuda_double.set_device(ctx.rank)]  # the controller's thread
     hvd = start(ctx)
     r, n = hvd.rank(), hvd.size()
     try:
@@ -392,7 +404,6 @@ def _on_double(ctx):
         out["counters"] = cuda_double.counters()
     finally:
         stop(hvd)
-        C.THREAD_INIT.clear()
     return out
 
 
@@ -401,7 +412,7 @@ def test_cuda_path_on_double(run):
     Horovod layer (negotiation on CPU, data on the engine's streams) gives the same results and
     the double sees no stream or event misuse."""
     size = 2
-    for r, out in enumerate(run(size, _on_double, timeout=120, world_env={"MYCCL_TEST_CUDA_DOUBLE": "1"})):
+    for r, out in enumerate(run(size, _on_double, timeout=120, world_env=DOUBLE)):
         assert out["sum"] == [3.0] * 4
         assert out["ag"] == [0.0, 1.0, 1.0]
         assert out["bc"] == [1.0] * 3
