@@ -385,3 +385,45 @@ def test_mismatch_messages_for_kind_and_device():
     assert mismatch_message([a, a[:2] + ("GPU",) + a[3:]]) == \
         "Mismatched ALLREDUCE CPU/GPU device selection: One rank specified device CPU, but another rank specified device GPU."
     assert mismatch_message([None, a, a[:1] + ("float16",) + a[2:]]).startswith("Mismatched data types: One rank had type float32")
+
+
+# ---- stall inspector ----------------------------------------------------------------------------
+def _stall(ctx):
+    import logging
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("c10d_ext.horovod").addHandler(keep)
+    hvd = start(ctx)
+    try:
+        try:  # the ranks submit different names: nothing is ever ready
+            hvd.allreduce(torch.ones(1), name=f"only_on_{hvd.rank()}")
+            err = None
+        except hvd.HorovodInternalError as e:
+            err = str(e)
+        return err, keep.records
+    finally:
+        logging.getLogger("c10d_ext.horovod").removeHandler(keep)
+        stop(hvd)
+
+
+def test_stall_inspector_warns_then_shuts_down(run):
+    """Horovod's stall inspector: rank 0 names, per missing rank, what it waits for; past the
+    shutdown time every rank fails (together: the decision travels in the next cycle)."""
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    out = run(2, _stall, env=env, timeout=90)
+    for r, (err, logs) in enumerate(out):
+        assert err is not None and err.startswith("Horovod has been shut down.") and "STALL_SHUTDOWN" in err, err
+    warnings = [m for m in out[0][1] if m.startswith("One or more tensors were submitted")]
+    # rank 0 knows the names it sent; of the others' it has hashes only
+    assert warnings and "Missing ranks:\n0: [<a tensor rank 0 did not submit, hash " in warnings[0], out[0][1]
+    assert "]\n1: [allreduce.only_on_0]" in warnings[0], warnings[0]
+    assert any("1!: [allreduce.only_on_0]" in m and "Will shutdown." in m for m in warnings), warnings
+    assert not [m for m in out[1][1] if m.startswith("One or more tensors")]  # only the set's rank 0 warns

@@ -47,6 +47,7 @@ class _State:
         self.homogeneous = True
         self.lost_rank = False  # a collective failed for a lost peer: the next init shrinks
         self.failed_group = None  # the group that saw it: the survivors meet through its store
+        self.failed_default = None  # the default group then (shrunk by the next init)
         self.timeout = timedelta(minutes=30)
         self.atexit = False
 
@@ -162,7 +163,9 @@ def init(comm=None, process_sets=None) -> None:
                 raise ValueError(f"Invalid value of argument process_sets: {process_sets!r}")
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
             process_sets = None
-        if s.lost_rank and dist.is_initialized():
+        if s.lost_rank and (not dist.is_initialized() or dist.group.WORLD is not s.failed_default):
+            s.lost_rank = False  # the job made a new default group itself: nothing to shrink
+        if s.lost_rank:
             _shrink_after_loss()
             s.lost_rank = False
             s.failed_group = None
@@ -205,6 +208,7 @@ def shutdown() -> None:
         s.lost_rank = s.lost_rank or failed
         if s.lost_rank:
             s.failed_group = s.group
+            s.failed_default = dist.group.WORLD
         ps_mod._drop_sets(destroy=not s.lost_rank)
         for g in (s.group, s.admin):
             if g is not None and not s.lost_rank:

@@ -140,11 +140,27 @@ class Handle:
 class Announced:
     """The table entry of one name: each member's record, in the order they came."""
 
-    __slots__ = ("recs", "first")
+    __slots__ = ("recs", "first", "since")
 
     def __init__(self, first: int):
         self.recs: dict[int, list[int]] = {}
         self.first = first
+        self.since = time.monotonic()
+
+
+def _env_seconds(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+STALL_WARNING = (
+    "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and "
+    "are waiting for remainder of ranks for more than {} seconds. This may indicate that different "
+    "ranks are trying to submit different tensors or that only subset of ranks is submitting tensors, "
+    "which will cause deadlock. \nMissing ranks:\n{}"
+)
 
 
 def _threshold() -> int:
@@ -181,6 +197,15 @@ class SetController(threading.Thread):
         self.failed: BaseException | None = None
         self.cycles = 0
         self.fusion_threshold = _threshold()
+        # Horovod's stall inspector: a warning on the set's rank 0, and optionally a shutdown
+        self.stall_check = _env_seconds("HOROVOD_STALL_CHECK_DISABLE", 0) <= 0
+        self.stall_warn = _env_seconds("HOROVOD_STALL_CHECK_TIME_SECONDS", 60)
+        self.stall_shutdown = _env_seconds("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0)
+        if 0 < self.stall_shutdown < self.stall_warn:
+            log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.")
+            self.stall_shutdown = 0
+        self.last_stall_check = time.monotonic()
+        self.stalled = False  # this rank saw a request wait past the shutdown time
         self.cycle_time = _cycle_seconds()
         self.driver = threading.Lock()  # held by whoever runs a cycle
         self.last_cycle = 0.0  # when the last cycle began (monotonic)
@@ -315,7 +340,7 @@ class SetController(threading.Thread):
             recs.append(self.join_req.record())
         m = self.msg_arr
         m[0] = len(recs)
-        m[1] = 2 if more else 0
+        m[1] = (2 if more else 0) | (4 if self.stalled else 0)
         if recs:
             m[HEADER:HEADER + len(recs) * FIELDS] = array("q", [x for rec in recs for x in rec])
         for r in batch:
@@ -352,6 +377,13 @@ class SetController(threading.Thread):
                 if tl is not None and rec[0] in self.mine:
                     tl.negotiate_rank_ready(self.mine[rec[0]].name, member)
         others_more = any(f & 2 for f in flags)
+        if any(f & 4 for f in flags):  # some member saw a stall past the shutdown time: all stop
+            err = HorovodInternalError(f"{SHUT_DOWN} (a request waited on other ranks for longer than "
+                                       f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.stall_shutdown})")
+            err.peer_lost = False  # every member is there: the next init needs no shrink
+            raise err
+        if self.stall_check and self.table:
+            self._inspect_stalls()
         needed = self.size - len(self.joined)
         ready = [(h, e) for h, e in self.table.items() if len(e.recs.keys() - self.joined.keys()) >= needed and needed > 0]
         for h, _ in ready:
@@ -364,6 +396,38 @@ class SetController(threading.Thread):
             self._finish_join()
             return True, others_more
         return bool(ready) or announced > 0, others_more
+
+    def _inspect_stalls(self) -> None:
+        """Horovod's stall inspector, per set: every HOROVOD_STALL_CHECK_TIME_SECONDS the set's
+        rank 0 warns of requests that some members sent and others did not, naming the missing
+        ranks (and up to six names each); past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS the next cycle
+        tells every member, and all of them fail the set together."""
+        now = time.monotonic()
+        if now - self.last_stall_check < self.stall_warn:
+            return
+        self.last_stall_check = now
+        late = [(h, e) for h, e in self.table.items() if now - e.since > self.stall_warn]
+        if not late:
+            return
+        if self.stall_shutdown > 0 and any(now - e.since > self.stall_shutdown for _, e in late):
+            self.stalled = True
+        if self.me != 0:
+            return
+        missing: dict[int, list[str]] = {}
+        for h, e in late:
+            name = self.mine[h].name if h in self.mine else f"<a tensor rank 0 did not submit, hash {h & 0xFFFFFFFF:08x}>"
+            for m in range(self.size):
+                if m not in e.recs and m not in self.joined:
+                    missing.setdefault(m, []).append(name)
+        lines = []
+        for m, names in sorted(missing.items()):
+            shown = ", ".join(names[:6]) + (" ..." if len(names) >= 6 else "")
+            lines.append(f"{self.entry.ranks[m]}{'!' if self.stalled else ''}: [{shown}]")
+        text = STALL_WARNING.format(self.stall_warn, "\n".join(lines))
+        if self.stalled:
+            text += (f"\nOne or more rank (marked by \"!\") is stalled for longer than {self.stall_shutdown} "
+                     "seconds. Will shutdown.")
+        log.warning(text)
 
     def _finish_join(self) -> None:
         last_cycle = max(self.joined.values())
@@ -427,7 +491,7 @@ def stop_set(entry, grace: float = 5.0) -> bool:
         c.join(grace)
         c.failed = c.failed or HorovodInternalError(SHUT_DOWN)
     entry.controller = None
-    return c.failed is not None
+    return c.failed is not None and getattr(c.failed, "peer_lost", True)
 
 
 def stop_all() -> bool:
