@@ -529,7 +529,7 @@ def test_mnist_under_launcher(tmp_path, n):
     check_mnist(out, n, launched=True)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [4])  # 2 ranks: under torchrun above, and the launcher's training test
 def test_benchmark_under_launcher(tmp_path, n):
     rc, out = _run(launcher("-np", str(n), sys.executable, BENCH, *BENCH_ARGS), cwd=str(tmp_path))
     assert rc == 0, out[-5000:]

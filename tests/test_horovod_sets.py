@@ -191,12 +191,22 @@ def _mismatches(ctx):
             except hvd.HorovodInternalError as e:
                 out[key] = str(e)
             out[key + "_next"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name=f"{key}_next").item()
-        h = hvd.allreduce_async(torch.ones(1), name="dup")
-        try:
-            hvd.allreduce_async(torch.ones(1), name="dup")
-        except ValueError as e:
-            out["dup"] = str(e)
-        hvd.synchronize(h)
+        # A name in flight is refused. In flight for sure: the other rank submits it only once
+        # this one has tried the duplicate (told through the test's store).
+        store = ctx.store("dup")
+        for owner in range(hvd.size()):
+            name = f"dup{owner}"
+            if r == owner:
+                h = hvd.allreduce_async(torch.ones(1), name=name)
+                try:
+                    hvd.allreduce_async(torch.ones(1), name=name)
+                except ValueError as e:
+                    out["dup"] = str(e)
+                store.set(name, "tried")
+            else:
+                store.wait([name])
+                h = hvd.allreduce_async(torch.ones(1), name=name)
+            hvd.synchronize(h)
         for key, fn in {
             "bool": lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)),
             "noncontig": lambda: hvd.allreduce(torch.ones(4, 4).t()),
