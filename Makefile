@@ -22,9 +22,11 @@ test: setup
 test-compat: setup
 	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py tests/test_ddp.py tests/test_ddp_cuda.py tests/test_cuda.py
 
-# What CI runs against each other supported torch: the build and the collective matrix.
+# What CI runs against each other supported torch: the build and the collective matrix
+# (MATRIX="-k '2-shm or 2-tcp'" narrows it to 2 ranks).
+MATRIX ?=
 test-matrix: setup
-	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py
+	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py $(MATRIX)
 
 bench: setup
 	$(VENV)/bin/python benchmarks/collbench.py --world-size 2
