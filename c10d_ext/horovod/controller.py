@@ -72,7 +72,7 @@ class Request:
     mismatch errors); ``rows`` the first dimension where ranks may differ (allgather, alltoall)."""
 
     __slots__ = ("kind", "name", "nhash", "tensor", "output", "op", "pre", "post", "root",
-                 "splits", "handle", "slot", "desc", "sighash", "rows", "rowsize", "result",
+                 "splits", "handle", "desc", "sighash", "rows", "rowsize", "result",
                  "cuda_event", "is_cuda", "dtype")
 
     def __init__(self, kind, name, tensor, output=None, op=0, pre=1.0, post=1.0, root=-1, splits=None):
@@ -80,7 +80,6 @@ class Request:
         self.op, self.pre, self.post, self.root, self.splits = op, pre, post, root, splits
         self.nhash = _h64(name)
         self.handle = None
-        self.slot = 0
         self.result = None
         self.cuda_event = None
         if tensor is None:  # join, barrier
@@ -114,18 +113,17 @@ class Request:
 class Handle:
     """What an async op returns a number for: done when every request of the op is."""
 
-    __slots__ = ("parts", "remaining", "error", "event", "finish", "cuda_event", "ctrl")
+    __slots__ = ("remaining", "error", "event", "finish", "cuda_event", "ctrl")
 
     def __init__(self, parts: list[Request], finish):
-        self.parts = parts
         self.remaining = len(parts)
         self.error = None
         self.event = threading.Event()
         self.finish = finish  # () -> the value synchronize returns
         self.cuda_event = None
         self.ctrl = None
-        for i, r in enumerate(parts):
-            r.handle, r.slot = self, i
+        for r in parts:
+            r.handle = self
 
     def part_done(self, req: Request, error: BaseException | None = None) -> None:
         if error is not None and self.error is None:
@@ -140,11 +138,10 @@ class Handle:
 class Announced:
     """The table entry of one name: each member's record, in the order they came."""
 
-    __slots__ = ("recs", "first", "since")
+    __slots__ = ("recs", "since")
 
-    def __init__(self, first: int):
+    def __init__(self):
         self.recs: dict[int, list[int]] = {}
-        self.first = first
         self.since = time.monotonic()
 
 
@@ -211,7 +208,6 @@ class SetController(threading.Thread):
         self.last_cycle = 0.0  # when the last cycle began (monotonic)
         self.progress = True  # the last cycle announced or ran something
         self.others_more = False  # some member has more queued than one cycle announces
-        self.busy = False  # inside a cycle (for stop: a blocked one needs its group aborted)
         # The cycle's message and what it gathers, as Python arrays that tensors view: records
         # go in and come out without a tensor op per field.
         width = HEADER + SLOTS * FIELDS
@@ -288,14 +284,11 @@ class SetController(threading.Thread):
             del self.queue[:SLOTS]
             more = bool(self.queue)
         try:
-            self.busy = True
             self.progress, self.others_more = self._cycle(batch, more)
             return True
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self._fail(HorovodInternalError(str(e)) if not isinstance(e, HorovodInternalError) else e)
             return False
-        finally:
-            self.busy = False
 
     def drive(self, handle: "Handle") -> None:
         """Waits for `handle`, running cycles on this (the caller's) thread while the set's own
@@ -368,7 +361,7 @@ class SetController(threading.Thread):
                     continue
                 entry = self.table.get(rec[0])
                 if entry is None:
-                    entry = self.table[rec[0]] = Announced(self.cycles)
+                    entry = self.table[rec[0]] = Announced()
                     if tl is not None:
                         mine = self.mine.get(rec[0])
                         if mine is not None:
@@ -509,8 +502,3 @@ def controller_for(entry) -> SetController:
         raise HorovodInternalError(SHUT_DOWN)
     return c
 
-
-def wait_all_idle(timeout: float = 0.0) -> None:  # pragma: no cover - debugging aid
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(c.mine or c.queue for c in _CONTROLLERS.values()):
-        time.sleep(0.001)

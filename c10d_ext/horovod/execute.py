@@ -301,11 +301,8 @@ def _allgather(ctrl, bucket, reqs) -> None:
     tensors go in one padded block, one all_gather, then each output is cut out of the blocks."""
     size = ctrl.size
     counts = []  # per tensor: elements each member contributes
-    for resp in bucket:
-        recs = resp[2]
-        first = recs[min(recs)]
-        rowsize = first[3] // first[4] if first[4] else _rowsize(reqs, resp)
-        counts.append([recs[m][4] * rowsize for m in range(size)])
+    for resp, r in zip(bucket, reqs):  # every member sent each one (no allgather while joined)
+        counts.append([resp[2][m][4] * r.rowsize for m in range(size)])
     per_member = [sum(c[m] for c in counts) for m in range(size)]
     block = max(per_member)
     mine = [r.tensor.reshape(-1) for r in reqs]
@@ -331,11 +328,6 @@ def _allgather(ctrl, bucket, reqs) -> None:
             pieces.append(recv[offsets[m]:offsets[m] + c[m]])
             offsets[m] += c[m]
         r.result = torch.cat(pieces).view((-1,) + tuple(r.tensor.shape[1:]))
-
-
-def _rowsize(reqs, resp) -> int:
-    r = next((q for q in reqs if q is not None and q.nhash == resp[1]), None)
-    return r.rowsize if r is not None else 0
 
 
 def _broadcast(ctrl, r) -> None:
