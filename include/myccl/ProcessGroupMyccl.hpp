@@ -104,7 +104,7 @@ class MycclBackend final : public c10d::Backend {
   at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
   // Collective: a CPU tensor whose storage every rank of this group on this host maps (one
   // copy per host). Zero-filled; writes are visible to the host's other ranks after a barrier.
-  at::Tensor sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype);
+  at::Tensor sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype, int owner = 0);
   bool supportsTensorAlloc(c10::DeviceIndex deviceIdx) override;
 
   void eagerConnectSingleDevice(at::Device device) override;

@@ -150,11 +150,13 @@ at::Tensor MycclBackend::allocateTensor(long size, at::TensorOptions options) {
   return engines_.cpu(w)->allocateTensor(size, options);
 }
 
-at::Tensor MycclBackend::sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype) {
+at::Tensor MycclBackend::sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype, int owner) {
   const auto w = where("shared_tensor");
   for (size_t i = 0; i < shape.size(); ++i)
     MYCCL_CHECK_ARG(shape[i] >= 0, w, ": dimension ", i, " is negative (", shape[i], ")");
-  return engines_.cpu(w)->sharedTensor(shape, dtype);
+  MYCCL_CHECK_ARG(owner >= 0 && owner < topology().localSize, w, ": owner must be a local rank in [0, ",
+                  topology().localSize, "), got ", owner);
+  return engines_.cpu(w)->sharedTensor(shape, dtype, owner);
 }
 
 bool MycclBackend::supportsTensorAlloc(c10::DeviceIndex deviceIdx) {

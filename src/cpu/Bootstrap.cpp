@@ -214,13 +214,13 @@ GroupLinks splitGroupLinks(c10d::Store& store, const SplitSource& parent, const 
 }
 
 at::Tensor sharedTensor(c10d::Store& store, const std::string& keyPrefix, const Topology& topo, uint64_t serial,
-                        const std::vector<int64_t>& shape, at::ScalarType dtype) {
+                        const std::vector<int64_t>& shape, at::ScalarType dtype, int owner) {
   int64_t numel = 1;
   for (auto d : shape) numel *= d;
   const size_t nbytes = std::max<size_t>(64, static_cast<size_t>(numel) * c10::elementSize(dtype));
   const std::string key = keyPrefix + "shared/" + std::to_string(serial) + "/host" + std::to_string(topo.crossRank);
   std::shared_ptr<ShmSegment> seg;
-  if (topo.localRank == 0) {
+  if (topo.localRank == owner) {
     seg = ShmSegment::create(nbytes);
     store.set(key, std::vector<uint8_t>(seg->name().begin(), seg->name().end()));
   } else {

@@ -134,7 +134,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("uses_shared_memory", &myccl::MycclBackend::usesSharedMemory)
       .def_property_readonly("rejected_connections", &myccl::MycclBackend::rejectedConnections)
       .def("describe_links", &myccl::MycclBackend::describeLinks)
-      .def("shared_tensor", &myccl::MycclBackend::sharedTensor, py::arg("shape"), py::arg("dtype"),
+      .def("shared_tensor", &myccl::MycclBackend::sharedTensor, py::arg("shape"), py::arg("dtype"), py::arg("owner") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("flight_recorder",
            [](const myccl::MycclBackend& b) {

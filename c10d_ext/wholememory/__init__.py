@@ -1,0 +1,18 @@
+"""Whole-memory tensors on myccl, with the WholeMemory PyTorch API's names: one tensor spread over
+a process group's memory, read and written by every rank (docs/WHOLEMEMORY.md).
+
+    import c10d_ext.wholememory as wm
+    emb = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.DISTRIBUTED)
+    rows = wm.gather(emb, idx)          # collective for DISTRIBUTED, local for HOST / CHUNKED
+    wm.scatter(emb, rows * 0.5, idx)
+"""
+
+from .access import gather, scatter
+from .files import load_from_files, part_file_name, save_to_files
+from .tensor import (ChunkedTensor, DistributedTensor, NCCLTensor, WmTensorType, create_wm_tensor,
+                     finalize_lib, get_partition_plan, get_tensor_view, get_wm_tensor_type, init_lib,
+                     is_wm_tensor, local_partition)
+
+__all__ = ["WmTensorType", "ChunkedTensor", "DistributedTensor", "NCCLTensor", "create_wm_tensor",
+           "get_tensor_view", "local_partition", "get_partition_plan", "get_wm_tensor_type", "is_wm_tensor",
+           "init_lib", "finalize_lib", "gather", "scatter", "load_from_files", "save_to_files", "part_file_name"]

@@ -1,0 +1,174 @@
+"""gather / scatter of rows by index, for every kind.
+
+Mapped kinds (HOST, CHUNKED) are read and written in place by the calling rank alone: no
+collective. DISTRIBUTED rows live with their owner, so gather and scatter are collective over the
+tensor's group (every rank calls, each with its own indices, zero included), in three exchanges:
+counts per owner, the indices, then the rows. Bad input on any rank is announced in the first
+exchange, so every rank raises (the bad one with what was wrong, the others naming it) and the
+group stays usable: no rank waits on an exchange the others skipped.
+
+Indices may repeat and come in any order. A scatter that names a row more than once keeps the
+last value given (for DISTRIBUTED: the highest rank's, then the last position).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .tensor import ChunkedTensor, DistributedTensor, WmTensorType, fail, meta_of
+
+
+def _check_indices(op, group, idx, rows: int, device) -> torch.Tensor:
+    if not isinstance(idx, torch.Tensor):
+        fail(op, group, f"indices must be a tensor, got {type(idx).__name__}", TypeError)
+    if idx.dtype not in (torch.int32, torch.int64):
+        fail(op, group, f"indices must be int32 or int64, got {idx.dtype}", TypeError)
+    if idx.dim() != 1:
+        fail(op, group, f"indices must be 1-D, got shape {list(idx.shape)}")
+    if idx.device != device:
+        fail(op, group, f"indices are on {idx.device}, the tensor's rows on {device}")
+    if idx.numel():
+        lo, hi = torch.aminmax(idx)
+        if lo.item() < 0 or hi.item() >= rows:
+            pos = int(((idx < 0) | (idx >= rows)).nonzero()[0])
+            fail(op, group, f"index {int(idx[pos])} (position {pos}) is out of range for a whole-memory tensor "
+                 f"of {rows} rows", IndexError)
+    return idx
+
+
+def _check_values(op, group, values, n: int, row_shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    if not isinstance(values, torch.Tensor):
+        fail(op, group, f"values must be a tensor, got {type(values).__name__}", TypeError)
+    want = (n,) + tuple(row_shape)
+    if tuple(values.shape) != want:
+        fail(op, group, f"values have shape {list(values.shape)}, expected {list(want)} (one row per index)")
+    if values.dtype != dtype and values.is_floating_point() != dtype.is_floating_point:
+        fail(op, group, f"values are {values.dtype}, the tensor is {dtype}", TypeError)
+    if values.device != device:
+        fail(op, group, f"values are on {values.device}, the tensor's rows on {device}")
+    return values.to(dtype)
+
+
+def _last_wins(idx: torch.Tensor):
+    """(distinct indices, position of the last occurrence of each)."""
+    s, order = torch.sort(idx.to(torch.int64), stable=True)
+    if s.numel() < 2:
+        return s, order
+    keep = torch.empty(s.numel(), dtype=torch.bool, device=s.device)
+    keep[-1] = True
+    torch.ne(s[1:], s[:-1], out=keep[:-1])
+    return s[keep], order[keep]
+
+
+def gather(t, indices) -> torch.Tensor:
+    """The rows ``t[indices]`` as a new tensor of shape [len(indices), *t.shape[1:]]."""
+    m = meta_of(t, "gather")
+    if isinstance(t, DistributedTensor):
+        return _distributed(t, indices, None)
+    if isinstance(t, ChunkedTensor):
+        idx = _check_indices("gather", m.group, indices, m.rows, torch.device("cpu"))
+        return _chunked_gather(t, idx)
+    idx = _check_indices("gather", m.group, indices, t.shape[0], t.device)
+    return t.index_select(0, idx)
+
+
+def scatter(t, values, indices) -> None:
+    """``t[indices] = values``, in place (the last value wins for a repeated index)."""
+    m = meta_of(t, "scatter")
+    if isinstance(t, DistributedTensor):
+        _distributed(t, indices, values)
+        return
+    rows = m.rows if isinstance(t, ChunkedTensor) else t.shape[0]
+    row_shape = m.shape[1:] if isinstance(t, ChunkedTensor) else tuple(t.shape[1:])
+    idx = _check_indices("scatter", m.group, indices, rows, torch.device("cpu"))
+    vals = _check_values("scatter", m.group, values, idx.numel(), row_shape, m.dtype, torch.device("cpu"))
+    if not idx.numel():
+        return
+    uniq, last = _last_wins(idx)
+    if isinstance(t, ChunkedTensor):
+        _chunked_scatter(t, uniq, vals.index_select(0, last))
+    else:
+        t.index_copy_(0, uniq, vals.index_select(0, last))
+
+
+def _by_owner(idx: torch.Tensor, per: int, parts: int):
+    """Groups indices by the part that holds them: (order, counts per part, sorted indices)."""
+    owner = torch.div(idx, per, rounding_mode="floor") if per else torch.zeros_like(idx)
+    order = torch.argsort(owner, stable=True)
+    counts = torch.bincount(owner, minlength=parts) if idx.numel() else torch.zeros(parts, dtype=torch.int64)
+    return order, counts, idx.index_select(0, order)
+
+
+def _chunked_gather(t: ChunkedTensor, idx: torch.Tensor) -> torch.Tensor:
+    m = t._meta
+    chunks = t.get_all_chunked_tensor()
+    per = m.parts[0][1]
+    out = torch.empty((idx.numel(),) + tuple(m.shape[1:]), dtype=m.dtype)
+    if not idx.numel():
+        return out
+    order, counts, s = _by_owner(idx.to(torch.int64), per, len(chunks))
+    pieces = []
+    for c, piece in enumerate(s.split(counts.tolist())):
+        if piece.numel():
+            pieces.append(chunks[c].index_select(0, piece - m.parts[c][0]))
+    out.index_copy_(0, order, torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+    return out
+
+
+def _chunked_scatter(t: ChunkedTensor, uniq: torch.Tensor, vals: torch.Tensor) -> None:
+    m = t._meta
+    chunks = t.get_all_chunked_tensor()
+    per = m.parts[0][1]
+    owner = torch.div(uniq, per, rounding_mode="floor")
+    counts = torch.bincount(owner, minlength=len(chunks)).tolist()  # uniq is sorted: owners are too
+    at = 0
+    for c, k in enumerate(counts):
+        if k:
+            chunks[c].index_copy_(0, uniq[at:at + k] - m.parts[c][0], vals[at:at + k])
+        at += k
+
+
+def _distributed(t: DistributedTensor, indices, values):
+    """The collective path: counts, then indices, then rows, each one all_to_all over the group."""
+    m = t._meta
+    op = "gather" if values is None else "scatter"
+    group, n, me = m.group, len(m.members), m.index
+    dev = t.device
+    row_shape = tuple(m.shape[1:])
+    error = None
+    try:
+        idx = _check_indices(op, group, indices, m.rows, dev).to(torch.int64)
+        if values is not None:
+            values = _check_values(op, group, values, idx.numel(), row_shape, m.dtype, dev)
+        order, send_counts, send_ids = _by_owner(idx, m.parts[0][1], n)
+    except (TypeError, ValueError, IndexError) as e:
+        error = e
+        send_counts = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    recv_counts = torch.empty(n, dtype=torch.int64, device=dev)
+    dist.all_to_all_single(recv_counts, send_counts.to(dev), group=group)
+    if error is not None:
+        raise error
+    bad = (recv_counts < 0).nonzero()
+    if bad.numel():
+        fail(op, group, f"rank {int(bad[0])} passed bad input (its error says what); nothing was moved")
+    sends, recvs = send_counts.tolist(), recv_counts.tolist()
+    recv_ids = torch.empty(sum(recvs), dtype=torch.int64, device=dev)
+    dist.all_to_all_single(recv_ids, send_ids, recvs, sends, group=group)
+    local = t.get_local_tensor()
+    first = m.parts[me][0]
+    recv_ids -= first
+    if values is None:  # rows go back to whoever asked, then into the order they asked in
+        rows = local.index_select(0, recv_ids)
+        got = torch.empty((sum(sends),) + row_shape, dtype=m.dtype, device=dev)
+        dist.all_to_all_single(got, rows, sends, recvs, group=group)
+        out = torch.empty_like(got)
+        out.index_copy_(0, order, got)
+        return out
+    rows = values.index_select(0, order)
+    got = torch.empty((sum(recvs),) + row_shape, dtype=m.dtype, device=dev)
+    dist.all_to_all_single(got, rows, recvs, sends, group=group)
+    if recv_ids.numel():
+        uniq, last = _last_wins(recv_ids)
+        local.index_copy_(0, uniq, got.index_select(0, last))
+    return None

@@ -1,0 +1,134 @@
+"""save_to_files / load_from_files: WholeMemory's file sets, each rank reading or writing only its
+own part, all ranks at once.
+
+A set is ``{prefix}_part_{i}_of_{n}``: raw rows, no header, native byte order, only the logical
+columns (stride padding is not written); the files of a set concatenated in order are the tensor.
+A load reads any set whose rows add up to the tensor's, whatever its n: each rank reads the pieces
+of the files that overlap its rows. Both are collective over the tensor's group and end with an
+agreement, so a rank that failed (a missing file, a short read) makes every rank raise.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from .tensor import WmTensorType, fail, local_partition, meta_of
+
+
+def part_file_name(prefix: str, i: int, n: int) -> str:
+    return f"{prefix}_part_{i}_of_{n}"
+
+
+def _row_bytes(m) -> int:
+    per_row = 1
+    for d in m.shape[1:]:
+        per_row *= d
+    return per_row * m.dtype.itemsize
+
+
+def _as_bytes(rows: torch.Tensor) -> memoryview:
+    flat = rows.contiguous().view(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def _agree(op, group, error: BaseException | None) -> None:
+    """Every rank learns whether any failed; the one that failed raises its own error."""
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32)
+    if error is not None:
+        flags[dist.get_rank(group)] = 1
+    dist.all_reduce(flags, group=group)
+    if error is not None:
+        raise error
+    if flags.any():
+        fail(op, group, f"rank {int(flags.nonzero()[0])} failed (its error says why)", OSError)
+
+
+def _writer(m) -> bool:
+    """HOST tensors exist once per host: the first host's ranks write them."""
+    return m.kind is not WmTensorType.HOST or m.host == 0
+
+
+def save_to_files(t, prefix: str) -> None:
+    """Each rank writes its part to ``{prefix}_part_{i}_of_{n}`` (i its part, n the parts)."""
+    m = meta_of(t, "save_to_files")
+    error = None
+    if _writer(m):
+        try:
+            rows, _ = local_partition(t)
+            path = part_file_name(prefix, m.index, len(m.members))
+            with open(path + ".tmp", "wb") as f:
+                f.write(_as_bytes(rows))
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            error = OSError(f"myccl: save_to_files (rank {dist.get_rank(m.group)}): {e}")
+    _agree("save_to_files", m.group, error)
+
+
+def _file_set(prefix: str, part_count):
+    if part_count is None:
+        found = {}
+        pattern = re.compile(re.escape(os.path.basename(prefix)) + r"_part_(\d+)_of_(\d+)$")
+        for p in glob.glob(glob.escape(prefix) + "_part_*_of_*"):
+            mt = pattern.match(os.path.basename(p))
+            if mt:
+                found.setdefault(int(mt.group(2)), set()).add(int(mt.group(1)))
+        complete = [n for n, ids in found.items() if ids == set(range(n))]
+        if len(complete) != 1:
+            raise FileNotFoundError(
+                f"no single complete file set {prefix}_part_<i>_of_<n> (found sets of {sorted(found) or 'none'}, "
+                f"complete: {sorted(complete) or 'none'}); pass part_count")
+        part_count = complete[0]
+    return [part_file_name(prefix, i, part_count) for i in range(part_count)]
+
+
+def load_from_files(t, prefix: str, part_count: int | None = None) -> None:
+    """Fills the tensor from a file set: each rank reads the rows of its own part."""
+    m = meta_of(t, "load_from_files")
+    op = "load_from_files"
+    error = None
+    try:
+        rb = _row_bytes(m)
+        files = _file_set(prefix, part_count)
+        sizes = [os.path.getsize(p) for p in files]
+        for p, s in zip(files, sizes):
+            if s % rb:
+                raise ValueError(f"{p} has {s} bytes, not a multiple of a row ({rb} bytes)")
+        total = sum(sizes) // rb
+        if total != m.rows:
+            raise ValueError(f"the files of {prefix} hold {total} rows, the tensor has {m.rows}")
+        rows, first = local_partition(t)
+        _read_rows(files, sizes, rb, first, rows)
+    except (OSError, ValueError) as e:
+        error = type(e)(f"myccl: {op} (rank {dist.get_rank(m.group)}): {e}")
+    _agree(op, m.group, error)
+
+
+def _read_rows(files, sizes, rb: int, first: int, dest: torch.Tensor) -> None:
+    """Reads rows [first, first + len(dest)) of the concatenated files into dest."""
+    count = dest.shape[0]
+    if not count:
+        return
+    buf = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype)
+    out = _as_bytes(buf)  # buf is contiguous: this is its memory, not a copy
+    want_lo, want_hi = first * rb, (first + count) * rb
+    at = 0
+    for path, size in zip(files, sizes):
+        lo, hi = max(at, want_lo), min(at + size, want_hi)
+        if lo < hi:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(lo - at)
+                view = out[lo - want_lo:hi - want_lo]
+                got = 0
+                while got < len(view):
+                    k = f.readinto(view[got:])
+                    if not k:
+                        raise OSError(f"{path}: short read at byte {lo - at + got}")
+                    got += k
+        at += size
+    if buf is not dest:
+        dest.copy_(buf)

@@ -1,0 +1,351 @@
+"""Whole-memory tensors: creation, the kinds, row partitions and views.
+
+A whole-memory tensor is created collectively over a process group and spread over the group's
+memory. Rows are split as WholeMemory splits them: ``ceil(rows / n)`` per part, the trailing parts
+possibly shorter or empty. What a kind keeps where:
+
+- HOST: one copy per host in shared memory (myccl's shared tensor), mapped by every local rank;
+  a plain CPU tensor. Its parts (``local_partition``) are over the host's ranks.
+- CHUNKED: one chunk per local rank, each made by its rank and mapped by all the others; a
+  ``ChunkedTensor``. One host only.
+- DISTRIBUTED (old name NCCL): one part per rank of the group, on any host, held by that rank
+  alone; a ``DistributedTensor``, reached through the collective gather / scatter.
+- DEVICE: GPU memory mapped by every local process; needs CUDA (see docs/WHOLEMEMORY.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WmTensorType", "ChunkedTensor", "DistributedTensor", "NCCLTensor", "create_wm_tensor",
+           "get_tensor_view", "local_partition", "init_lib", "finalize_lib", "get_partition_plan",
+           "get_wm_tensor_type", "is_wm_tensor"]
+
+_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+           torch.float32, torch.float64)
+
+
+class WmTensorType(enum.Enum):
+    """The kinds, with WholeMemory's values; NCCL is the old name of DISTRIBUTED (an alias)."""
+
+    HOST = 0
+    DEVICE = 1
+    CHUNKED = 2
+    DISTRIBUTED = 3
+    NCCL = 3
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def fail(op: str, group, text: str, exc=ValueError):
+    """Raises the project's error form: the op, this rank (in the group) and what is wrong."""
+    raise exc(f"myccl: {op} (rank {_rank(group)}): {text}")
+
+
+def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+    """WholeMemory's equal partition: ceil(rows/parts) rows each, clamped; (first, count) each."""
+    per = -(-rows // parts) if parts else 0
+    out = []
+    for i in range(parts):
+        first = min(i * per, rows)
+        out.append((first, min(first + per, rows) - first))
+    return out
+
+
+class _Meta:
+    """What a whole-memory tensor is, kept per storage: kind, group, logical shape and stride,
+    which ranks share its memory (``members``: group ranks of this host for the mapped kinds, the
+    whole group for DISTRIBUTED) and this rank's index among them."""
+
+    __slots__ = ("kind", "group", "shape", "stride", "dtype", "members", "index", "parts", "host", "hosts",
+                 "__weakref__")
+
+    def __init__(self, kind, group, shape, stride, dtype, members, index, host, hosts):
+        self.kind, self.group, self.shape, self.stride, self.dtype = kind, group, shape, stride, dtype
+        self.members, self.index, self.host, self.hosts = members, index, host, hosts
+        self.parts = split_rows(shape[0], len(members))
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_stride(self) -> int:
+        return self.stride[0]
+
+
+_BY_STORAGE: dict[int, _Meta] = {}  # storage data_ptr -> meta, for the HOST kind's plain tensors
+
+
+def _track(t: torch.Tensor, meta: _Meta) -> None:
+    key = t.untyped_storage().data_ptr()
+    _BY_STORAGE[key] = meta
+    weakref.finalize(t, _BY_STORAGE.pop, key, None)
+
+
+def meta_of(t, op: str) -> _Meta:
+    if isinstance(t, (ChunkedTensor, DistributedTensor)):
+        return t._meta
+    if isinstance(t, torch.Tensor):
+        m = _BY_STORAGE.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+        if m is not None:
+            return m
+    fail(op, None, f"expected a whole-memory tensor (from create_wm_tensor), got {type(t).__name__}", TypeError)
+
+
+class _Sharded:
+    """What ChunkedTensor and DistributedTensor share: WholeMemory's tensor-like surface."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, meta: _Meta):
+        self._meta = meta
+        self._id = next(self._ids)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._meta.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._meta.dtype
+
+    def stride(self, dim: int | None = None):
+        return tuple(self._meta.stride) if dim is None else self._meta.stride[dim]
+
+    def dim(self) -> int:
+        return len(self._meta.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self._meta.shape[dim]
+
+    def numel(self) -> int:
+        return math.prod(self._meta.shape)
+
+    def get_ptr(self) -> int:
+        """An int that names this tensor in this process (WholeMemory passes it to its ops)."""
+        return self._id
+
+    @property
+    def group(self):
+        return self._meta.group
+
+    def _part_view(self, storage: torch.Tensor, count: int) -> torch.Tensor:
+        m = self._meta
+        return storage.as_strided((count,) + tuple(m.shape[1:]), tuple(m.stride))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={list(self._meta.shape)}, dtype={self.dtype}, kind={self._meta.kind.name})"
+
+
+class ChunkedTensor(_Sharded):
+    """One chunk per local rank, in shared memory made by that rank and mapped by every local
+    rank: each process reads and writes every chunk directly."""
+
+    def __init__(self, meta: _Meta, chunks: list[torch.Tensor]):
+        super().__init__(meta)
+        self._chunks = chunks  # flat storage per chunk
+
+    def get_all_chunked_tensor(self) -> list[torch.Tensor]:
+        """The chunks as tensors, chunk i holding rows [first_i, first_i + count_i)."""
+        return [self._part_view(s, c) for s, (_, c) in zip(self._chunks, self._meta.parts)]
+
+    @property
+    def chunks(self) -> list[torch.Tensor]:
+        return self.get_all_chunked_tensor()
+
+    def get_local_tensor(self) -> torch.Tensor:
+        return self.get_all_chunked_tensor()[self._meta.index]
+
+
+class DistributedTensor(_Sharded):
+    """One part per rank of the group, held by that rank alone; every access is collective."""
+
+    def __init__(self, meta: _Meta, local: torch.Tensor):
+        super().__init__(meta)
+        self._local = local  # flat storage of this rank's part
+
+    def get_local_tensor(self) -> torch.Tensor:
+        return self._part_view(self._local, self._meta.parts[self._meta.index][1])
+
+    @property
+    def device(self) -> torch.device:
+        return self._local.device
+
+
+NCCLTensor = DistributedTensor  # the old API's name
+
+
+def _check_layout(op, group, sizes, strides) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if isinstance(sizes, int):
+        sizes = (sizes,)
+    sizes = tuple(int(s) for s in sizes)
+    if not sizes:
+        fail(op, group, "shape must have at least one dimension (rows), got []")
+    for d, s in enumerate(sizes):
+        if s <= 0:
+            fail(op, group, f"dimension {d} of shape {list(sizes)} is {s}; every dimension must be > 0")
+    contiguous = []
+    acc = 1
+    for s in reversed(sizes):
+        contiguous.append(acc)
+        acc *= s
+    contiguous = tuple(reversed(contiguous))
+    if strides is None or len(strides) == 0:
+        return sizes, contiguous
+    strides = tuple(int(s) for s in strides)
+    if len(strides) != len(sizes):
+        fail(op, group, f"stride {list(strides)} has {len(strides)} dimensions, shape {list(sizes)} has {len(sizes)}")
+    if strides[-1] != 1:
+        fail(op, group, f"the last stride must be 1, got stride {list(strides)}")
+    for d in range(len(sizes) - 1):
+        if strides[d] < sizes[d + 1] * strides[d + 1]:
+            fail(op, group, f"stride {list(strides)} overlaps rows of shape {list(sizes)}: stride[{d}] = "
+                 f"{strides[d]} < {sizes[d + 1] * strides[d + 1]}")
+    return sizes, strides
+
+
+def _topology(group):
+    """(members on this host as group ranks, my index there, host index, number of hosts)."""
+    from .. import _myccl_backend
+
+    be = _myccl_backend(group)
+    hosts = be.host_of_rank  # group rank -> host index
+    me = dist.get_rank(group)
+    members = [r for r, h in enumerate(hosts) if h == hosts[me]]
+    return be, members, members.index(me), hosts[me], max(hosts) + 1
+
+
+def _resolve_kind(kind) -> WmTensorType:
+    if isinstance(kind, WmTensorType):
+        return kind
+    if isinstance(kind, str) and kind.upper() in WmTensorType.__members__:
+        return WmTensorType[kind.upper()]
+    if isinstance(kind, int) and not isinstance(kind, bool):
+        try:
+            return WmTensorType(kind)
+        except ValueError:
+            pass
+    raise ValueError("Invalid wm_tensor_type")
+
+
+def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.float32,
+                     wm_tensor_type=WmTensorType.CHUNKED, *, shape=None, stride=None, dtype=None, kind=None):
+    """Collective over ``group`` (None: the default group): every rank passes the same shape,
+    stride, dtype and kind. Returns a CPU tensor (HOST), a ChunkedTensor or a DistributedTensor.
+    The keywords shape=, stride=, dtype=, kind= name the last four too."""
+    sizes = shape if shape is not None else sizes
+    strides = stride if stride is not None else strides
+    tensor_dtype = dtype if dtype is not None else tensor_dtype
+    wm_tensor_type = kind if kind is not None else wm_tensor_type
+    op = "create_wm_tensor"
+    if not dist.is_initialized():
+        raise RuntimeError(f"myccl: {op}: no process group: call dist.init_process_group('myccl') first")
+    group = group if group is not None else dist.group.WORLD
+    kind = _resolve_kind(wm_tensor_type)
+    if sizes is None:
+        fail(op, group, "shape is required")
+    if tensor_dtype not in _DTYPES:
+        fail(op, group, f"dtype {tensor_dtype} is not supported (one of {', '.join(str(d) for d in _DTYPES)})")
+    shape, stride = _check_layout(op, group, sizes, strides)
+    _agree(op, group, (kind.value, shape, stride, str(tensor_dtype)))
+    storage_rows = shape[0] * stride[0]
+    if kind is WmTensorType.DISTRIBUTED:
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        meta = _Meta(kind, group, shape, stride, tensor_dtype, list(range(n)), me, 0, 1)
+        count = meta.parts[me][1]
+        local = torch.zeros(max(count * stride[0], 1), dtype=tensor_dtype, device=_device(group))
+        return DistributedTensor(meta, local)
+    be, members, index, host, hosts = _topology(group)
+    if kind in (WmTensorType.DEVICE, WmTensorType.CHUNKED) and hosts > 1:
+        fail(op, group, f"{kind.name} memory is mapped by the ranks of one host and this group spans {hosts} "
+             "hosts; use WmTensorType.DISTRIBUTED (one part per rank, any host) or HOST (one copy per host)")
+    if kind is WmTensorType.DEVICE:
+        fail(op, group, "DEVICE memory (GPU memory mapped by every local process) is not available in this "
+             "build: it needs CUDA virtual memory, which is not implemented yet; use HOST, CHUNKED or DISTRIBUTED",
+             NotImplementedError)
+    meta = _Meta(kind, group, shape, stride, tensor_dtype, members, index, host, hosts)
+    if kind is WmTensorType.HOST:
+        flat = be.shared_tensor([storage_rows], tensor_dtype)
+        t = flat.as_strided(shape, stride)
+        _track(t, meta)
+        return t
+    # CHUNKED: chunk i is made by local rank i, every local rank maps every chunk
+    chunks = [be.shared_tensor([max(count * stride[0], 1)], tensor_dtype, owner=i)
+              for i, (_, count) in enumerate(meta.parts)]
+    return ChunkedTensor(meta, chunks)
+
+
+def _device(group) -> torch.device:
+    return torch.device("cpu")
+
+
+def _agree(op, group, what) -> None:
+    """Every rank must ask for the same tensor: a mismatch is an error on every rank."""
+    if dist.get_world_size(group) == 1:
+        return
+    got = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, what, group=group)
+    for r, other in enumerate(got):
+        if other != what:
+            names = ("kind", "shape", "stride", "dtype")
+            diff = next(i for i in range(len(what)) if other[i] != what[i])
+            mine, theirs = what[diff], other[diff]
+            if diff == 0:
+                mine, theirs = WmTensorType(mine).name, WmTensorType(theirs).name
+            fail(op, group, f"ranks disagree on the {names[diff]}: this rank asked for {mine}, rank {r} for {theirs}")
+
+
+def local_partition(t):
+    """(this rank's rows as a tensor, the index of its first row) - WholeMemory's local tensor."""
+    m = meta_of(t, "local_partition")
+    first, count = m.parts[m.index]
+    if isinstance(t, (ChunkedTensor, DistributedTensor)):
+        return t.get_local_tensor(), first
+    return t.narrow(0, first, count), first
+
+
+def get_partition_plan(t) -> tuple[int, int, int, int]:
+    """(first row, rows, rows per part, total rows) of this rank's part."""
+    m = meta_of(t, "get_partition_plan")
+    first, count = m.parts[m.index]
+    return first, count, -(-m.rows // len(m.members)), m.rows
+
+
+def get_wm_tensor_type(t) -> WmTensorType:
+    return meta_of(t, "get_wm_tensor_type").kind
+
+
+def is_wm_tensor(t) -> bool:
+    if isinstance(t, (ChunkedTensor, DistributedTensor)):
+        return True
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() in _BY_STORAGE
+
+
+def get_tensor_view(t, device):
+    """The tensor as seen from ``device``: the CPU view of a HOST tensor (without CUDA, the tensor
+    itself, which is already on the CPU)."""
+    m = meta_of(t, "get_tensor_view")
+    device = torch.device(device)
+    if m.kind is not WmTensorType.HOST:
+        fail("get_tensor_view", m.group, f"{m.kind.name} tensors have no single view; use gather / scatter "
+             "or local_partition")
+    if device.type == "cpu":
+        return t
+    fail("get_tensor_view", m.group, f"no view of a HOST tensor on {device}: this process has no CUDA mapping of it")
+
+
+def init_lib() -> None:
+    """WholeMemory's library setup: nothing to do over torch.distributed."""
+
+
+def finalize_lib() -> None:
+    """WholeMemory's teardown: nothing to do (memory goes with its last reference)."""
