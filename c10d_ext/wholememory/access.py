@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .tensor import ChunkedTensor, DistributedTensor, WmTensorType, fail, meta_of
+from .. import _C
+from .tensor import ChunkedTensor, DistributedTensor, fail, meta_of
 
 
 def _check_indices(op, group, idx, rows: int, device) -> torch.Tensor:
@@ -85,6 +86,9 @@ def scatter(t, values, indices) -> None:
     vals = _check_values("scatter", m.group, values, idx.numel(), row_shape, m.dtype, torch.device("cpu"))
     if not idx.numel():
         return
+    if isinstance(t, ChunkedTensor) and _dense_rows(m):  # in index order: the last value wins
+        _C._wm_scatter_rows(t._chunks, m.parts[0][1], m.rows, m.stride[0], idx.contiguous(), vals.contiguous())
+        return
     uniq, last = _last_wins(idx)
     if isinstance(t, ChunkedTensor):
         _chunked_scatter(t, uniq, vals.index_select(0, last))
@@ -100,13 +104,27 @@ def _by_owner(idx: torch.Tensor, per: int, parts: int):
     return order, counts, idx.index_select(0, order)
 
 
+def _dense_rows(m) -> bool:
+    """Whether a row's elements are contiguous (padding only between rows): the row kernels'
+    case, one memcpy per row."""
+    want = 1
+    for size, stride in zip(reversed(m.shape[1:]), reversed(m.stride[1:])):
+        if stride != want:
+            return False
+        want *= size
+    return True
+
+
 def _chunked_gather(t: ChunkedTensor, idx: torch.Tensor) -> torch.Tensor:
     m = t._meta
-    chunks = t.get_all_chunked_tensor()
     per = m.parts[0][1]
     out = torch.empty((idx.numel(),) + tuple(m.shape[1:]), dtype=m.dtype)
     if not idx.numel():
         return out
+    if _dense_rows(m):
+        _C._wm_gather_rows(t._chunks, per, m.rows, m.stride[0], idx.contiguous(), out)
+        return out
+    chunks = t.get_all_chunked_tensor()
     order, counts, s = _by_owner(idx.to(torch.int64), per, len(chunks))
     pieces = []
     for c, piece in enumerate(s.split(counts.tolist())):
@@ -156,19 +174,35 @@ def _distributed(t: DistributedTensor, indices, values):
     recv_ids = torch.empty(sum(recvs), dtype=torch.int64, device=dev)
     dist.all_to_all_single(recv_ids, send_ids, recvs, sends, group=group)
     local = t.get_local_tensor()
-    first = m.parts[me][0]
+    first, count = m.parts[me]
     recv_ids -= first
     if values is None:  # rows go back to whoever asked, then into the order they asked in
-        rows = local.index_select(0, recv_ids)
-        got = torch.empty((sum(sends),) + row_shape, dtype=m.dtype, device=dev)
+        rows = torch.index_select(local, 0, recv_ids, out=_scratch(t, "send", sum(recvs), row_shape))
+        got = _scratch(t, "recv", sum(sends), row_shape)
         dist.all_to_all_single(got, rows, sends, recvs, group=group)
-        out = torch.empty_like(got)
-        out.index_copy_(0, order, got)
-        return out
-    rows = values.index_select(0, order)
-    got = torch.empty((sum(recvs),) + row_shape, dtype=m.dtype, device=dev)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev))
+        return got.index_select(0, inverse)
+    rows = torch.index_select(values, 0, order, out=_scratch(t, "send", idx.numel(), row_shape))
+    got = _scratch(t, "recv", sum(recvs), row_shape)
     dist.all_to_all_single(got, rows, recvs, sends, group=group)
-    if recv_ids.numel():
+    if not recv_ids.numel():
+        return None
+    if dev.type == "cpu" and _dense_rows(m):  # in arrival order: the last value wins
+        _C._wm_scatter_rows([t._local], count, count, m.stride[0], recv_ids, got)
+    else:
         uniq, last = _last_wins(recv_ids)
         local.index_copy_(0, uniq, got.index_select(0, last))
     return None
+
+
+def _scratch(t: DistributedTensor, name: str, n: int, row_shape: tuple) -> torch.Tensor:
+    """A buffer of n rows kept with the tensor between calls: the exchanges' staging, whose pages
+    are then already there (a fresh buffer of that size costs as much as the copy into it)."""
+    per_row = 1
+    for d in row_shape:
+        per_row *= d
+    need = n * per_row
+    buf = t._scratch.get(name)
+    if buf is None or buf.numel() < need:
+        buf = t._scratch[name] = torch.empty(max(need, 1), dtype=t.dtype, device=t.device)
+    return buf[:need].view((n,) + row_shape)

@@ -172,6 +172,7 @@ class DistributedTensor(_Sharded):
     def __init__(self, meta: _Meta, local: torch.Tensor):
         super().__init__(meta)
         self._local = local  # flat storage of this rank's part
+        self._scratch: dict[str, torch.Tensor] = {}  # the exchanges' staging, reused (access.py)
 
     def get_local_tensor(self) -> torch.Tensor:
         return self._part_view(self._local, self._meta.parts[self._meta.index][1])

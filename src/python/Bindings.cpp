@@ -14,6 +14,7 @@
 #include "myccl/ProcessGroupMyccl.hpp"
 #include "myccl/cpu/Copy.hpp"
 #include "myccl/cpu/Reduce.hpp"
+#include "myccl/cpu/Rows.hpp"
 #include "myccl/cpu/transport/Net.hpp"
 #include "myccl/cpu/transport/Shm.hpp"
 
@@ -258,6 +259,52 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dst"), py::arg("src"));
   m.def("_stream_copy_min_bytes", &myccl::cpu::streamCopyMinBytes);
+
+  // Whole-memory rows (c10d_ext.wholememory): out[i] = row idx[i] / row idx[i] = in[i] of a table
+  // whose part p (a flat CPU tensor) holds rows [p * per_part, ...), row_stride elements apart.
+  auto rowParts = [](const std::vector<at::Tensor>& parts, int64_t perPart, int64_t rows, int64_t rowStride,
+                     const at::Tensor& rowsTensor, const at::Tensor& idx) {
+    TORCH_CHECK(idx.dim() == 1 && idx.is_contiguous() && idx.device().is_cpu() &&
+                    (idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong),
+                "indices must be a contiguous 1-D int32/int64 CPU tensor");
+    TORCH_CHECK(rowsTensor.is_contiguous() && rowsTensor.device().is_cpu() && rowsTensor.dim() >= 1 &&
+                    rowsTensor.size(0) == idx.numel(),
+                "rows must be a contiguous CPU tensor with one row per index");
+    myccl::cpu::RowParts t;
+    for (auto& p : parts) {
+      TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == rowsTensor.scalar_type(), "parts must match the rows");
+      t.parts.push_back(static_cast<char*>(p.data_ptr()));
+    }
+    t.perPart = perPart;
+    t.rows = rows;
+    t.rowBytes = idx.numel() ? rowsTensor.nbytes() / idx.numel() : 0;
+    t.strideBytes = static_cast<size_t>(rowStride) * rowsTensor.element_size();
+    return t;
+  };
+  m.def(
+      "_wm_gather_rows",
+      [rowParts](const std::vector<at::Tensor>& parts, int64_t perPart, int64_t rows, int64_t rowStride,
+                 const at::Tensor& idx, at::Tensor out) {
+        auto t = rowParts(parts, perPart, rows, rowStride, out, idx);
+        py::gil_scoped_release nogil;
+        if (idx.scalar_type() == at::kInt)
+          myccl::cpu::gatherRows(t, idx.data_ptr<int32_t>(), idx.numel(), static_cast<char*>(out.data_ptr()));
+        else
+          myccl::cpu::gatherRows(t, idx.data_ptr<int64_t>(), idx.numel(), static_cast<char*>(out.data_ptr()));
+      },
+      py::arg("parts"), py::arg("per_part"), py::arg("rows"), py::arg("row_stride"), py::arg("indices"), py::arg("out"));
+  m.def(
+      "_wm_scatter_rows",
+      [rowParts](const std::vector<at::Tensor>& parts, int64_t perPart, int64_t rows, int64_t rowStride,
+                 const at::Tensor& idx, const at::Tensor& values) {
+        auto t = rowParts(parts, perPart, rows, rowStride, values, idx);
+        py::gil_scoped_release nogil;
+        if (idx.scalar_type() == at::kInt)
+          myccl::cpu::scatterRows(t, idx.data_ptr<int32_t>(), idx.numel(), static_cast<const char*>(values.data_ptr()));
+        else
+          myccl::cpu::scatterRows(t, idx.data_ptr<int64_t>(), idx.numel(), static_cast<const char*>(values.data_ptr()));
+      },
+      py::arg("parts"), py::arg("per_part"), py::arg("rows"), py::arg("row_stride"), py::arg("indices"), py::arg("values"));
 
   bindReducer(m);
   // For the test-only extension c10d_ext._test_double (Engine.hpp, TestRuntime).
