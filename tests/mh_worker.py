@@ -1,7 +1,7 @@
 """Runs under torchrun on the namespaced test hosts (tests/test_multihost.py): checks every op
 against local expectations, then trains a small DDP model and saves its parameters.
 
-    torchrun ... tests/mh_worker.py <out_dir> <mode>     mode: all | ops | ddp | link
+    torchrun ... tests/mh_worker.py <out_dir> <mode>     mode: all | ops | ddp | link | wm
 """
 
 from __future__ import annotations
@@ -307,6 +307,43 @@ def train(out_dir: str) -> None:
         torch.save([p.detach() for p in model.parameters()], os.path.join(out_dir, "ddp_params.pt"))
 
 
+def check_wholememory(fails: list[str], out_dir: str) -> int:
+    """Whole-memory tensors across hosts: HOST is one copy per host, DISTRIBUTED spans the hosts
+    (gather / scatter / files against the table one process would hold), CHUNKED is refused."""
+    import c10d_ext.wholememory as wm
+
+    check = Checks(fails, "wholememory: ")
+    r, n = dist.get_rank(), dist.get_world_size()
+    rows, dim = 41, 6
+    ref = torch.arange(rows * dim, dtype=torch.float32).view(rows, dim)
+    h = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.HOST)
+    part, first = wm.local_partition(h)
+    host = c10d_ext.cross_rank()
+    part.copy_(ref[first:first + part.shape[0]] + 1000 * host)  # each host's copy is its own
+    dist.barrier()
+    check(torch.equal(h, ref + 1000 * host), f"HOST copy of host {host}")
+    d = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.DISTRIBUTED)
+    part, first = wm.local_partition(d)
+    part.copy_(ref[first:first + part.shape[0]])
+    idx = torch.randint(0, rows, (50 + r,), generator=torch.Generator().manual_seed(r))
+    check(torch.equal(wm.gather(d, idx), ref[idx]), "DISTRIBUTED gather across hosts")
+    mine = torch.arange(r, rows, n)
+    wm.scatter(d, -ref[mine], mine)
+    check(torch.equal(wm.gather(d, torch.arange(rows)), -ref), "DISTRIBUTED scatter across hosts")
+    prefix = os.path.join(out_dir, "wm")
+    wm.save_to_files(d, prefix)
+    back = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.HOST)
+    wm.load_from_files(back, prefix)
+    dist.barrier()
+    check(torch.equal(back, -ref), "files saved by every rank of both hosts, loaded into each host's copy")
+    try:
+        wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.CHUNKED)
+        check(False, "CHUNKED across hosts was not refused")
+    except ValueError as e:
+        check("spans 2 hosts" in str(e) and "DISTRIBUTED" in str(e), f"CHUNKED refusal: {e}")
+    return check.count
+
+
 def main() -> int:
     out_dir, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("myccl")
@@ -324,6 +361,8 @@ def main() -> int:
             result["checks"] += check_split(result["fails"])
         if mode in ("all", "ddp"):
             train(out_dir)
+        if mode == "wm":
+            result["checks"] = check_wholememory(result["fails"], out_dir)
     except Exception:  # noqa: BLE001
         result["fails"].append(f"rank {r}: exception\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"rank{r}.json"), "w") as f:

@@ -239,3 +239,9 @@ def test_reconfigure_with_a_replacement_on_another_host():
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want)), (i, got, want)
     assert results[3]["events"][0]["joined_at"] == 2, results[3]["events"][:2]
     assert results[0]["params"] == results[1]["params"] == results[3]["params"]
+
+
+def test_wholememory_across_hosts():
+    with netns.Hosts(2) as hosts:
+        results, _, _ = launch(hosts, 2, "wm")
+    _assert_ok(results)

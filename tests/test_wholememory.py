@@ -296,3 +296,19 @@ def test_sigkill_leaves_nothing(run, kind):
     if kind == "DISTRIBUTED":
         assert err and err != "no error", err
     assert not [p for p in glob.glob("/dev/shm/myccl-*") if p.split("-")[1] in {str(x) for x in pids}]
+
+
+@pytest.mark.parametrize("nproc,kind", [(2, "DISTRIBUTED"), (4, "DISTRIBUTED"), (2, "HOST"), (4, "CHUNKED")])
+def test_embedding_example_matches_one_process(nproc, kind):
+    """examples/embedding_train.py: the table trained through gather / scatter over the ranks ends
+    equal to the same training in one process (the example checks and exits 1 otherwise)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.join(root, "examples", "embedding_train.py"), "--kind", kind, "--steps", "25"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "-> EQUAL" in p.stdout, p.stdout
