@@ -232,6 +232,10 @@ VARS: list[Var] = [
         "c10d_ext.horovod.run: how to run a command on another host, a command prefix with {host} "
         "(and optionally {command}), e.g. 'ip netns exec {host}'; unset: ssh", cpp=False,
         python_default="", show=_show_str),
+    Var("MYCCL_WM_DIRECT", _bool,
+        "c10d_ext.wholememory: a DISTRIBUTED tensor over CPU ranks of one host keeps each rank's part "
+        "in shared memory and its gathers read rows where they lie; 0: every access is the exchange "
+        "over the group, as across hosts", cpp=False, python_default=True, show=_show_bool),
     Var("MYCCL_TEST_CONNECT_DELAY_MS", _int(0),
         "testing only: pause before connecting the TCP mesh (lets tests knock on a listener)", public=False),
     Var("MYCCL_BLOCKING_WAIT", _bool,

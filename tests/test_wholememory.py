@@ -12,7 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-KINDS = ["HOST", "CHUNKED", "DISTRIBUTED"]
+KINDS = ["HOST", "CHUNKED", "DISTRIBUTED", "DISTRIBUTED-exchange"]
+# DISTRIBUTED on one host reads rows where they lie (MYCCL_WM_DIRECT, the default); "-exchange"
+# runs the same tests through the exchange over the group, the path across hosts and on CUDA.
+EXCHANGE = {"MYCCL_WM_DIRECT": "0"}
+
+
+def _kind_env(kind):
+    return (kind.split("-")[0], EXCHANGE if kind.endswith("-exchange") else None)
 
 
 def _reference(rows: int, rest: tuple, dtype) -> torch.Tensor:
@@ -94,8 +101,9 @@ CASES = [
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_kinds(run, kind, size):
     cases = CASES if size in (2, 4) else CASES[:2]
+    kind, env = _kind_env(kind)
     for case in cases:
-        bad = [b for bs in run(size, body_kind, kind, *case, timeout=120) for b in bs]
+        bad = [b for bs in run(size, body_kind, kind, *case, timeout=120, env=env) for b in bs]
         assert not bad, (case, bad)
 
 
@@ -184,7 +192,8 @@ def body_bad_input(ctx, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_input(run, kind):
-    results = run(2, body_bad_input, kind, timeout=90)
+    kind, env = _kind_env(kind)
+    results = run(2, body_bad_input, kind, timeout=90, env=env)
     (e0, ok0), (e1, ok1) = results
     assert "index 10 (position 1) is out of range for a whole-memory tensor of 10 rows" in e0[0] and "rank 0" in e0[0]
     assert "index -1 (position 0)" in e0[1]
@@ -291,7 +300,8 @@ def body_kill(ctx, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sigkill_leaves_nothing(run, kind):
-    res = run(2, body_kill, kind, timeout=90, expect_dead=(1,))
+    kind, env = _kind_env(kind)
+    res = run(2, body_kill, kind, timeout=90, expect_dead=(1,), env=env)
     pids, err = res[0]
     if kind == "DISTRIBUTED":
         assert err and err != "no error", err
@@ -312,3 +322,57 @@ def test_embedding_example_matches_one_process(nproc, kind):
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "-> EQUAL" in p.stdout, p.stdout
+
+
+def body_distributed_cuda(ctx, mode):
+    """DISTRIBUTED parts on CUDA: the exchanges go over myccl's NCCL engine (on a GPU, or on the
+    strict double, where CPU tensors stand for CUDA tensors and every myccl op runs the engine)."""
+    import c10d_ext.wholememory as wm
+
+    if mode == "gpu":
+        torch.cuda.set_device(0)
+    ctx.init(timeout=60)
+    if mode == "double":
+        import cuda_double
+
+        cuda_double.set_device(ctx.rank % 2)
+        before = cuda_double.counters().get("sends", 0)
+    r, n = ctx.rank, ctx.size
+    rows, dim = 29, 4
+    dev = torch.device("cuda", 0) if mode == "gpu" else torch.device("cpu")
+    t = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.DISTRIBUTED,
+                            device="cuda" if mode == "gpu" else None)
+    bad = [] if t.device == dev else [f"parts on {t.device}"]
+    ref = _reference(rows, (dim,), torch.float32).to(dev)
+    part, first = wm.local_partition(t)
+    part.copy_(ref[first:first + part.shape[0]])
+    idx = torch.randint(0, rows, (40 + 7 * r,), generator=torch.Generator().manual_seed(r)).to(dev)
+    if not torch.equal(wm.gather(t, idx), ref[idx]):
+        bad.append("gather")
+    mine = torch.arange(r, rows, n, device=dev)
+    wm.scatter(t, -ref[mine], mine)
+    if not torch.equal(wm.gather(t, torch.arange(rows, device=dev)), -ref):
+        bad.append("scatter")
+    try:
+        wm.gather(t, torch.tensor([rows + r], device=dev))
+        bad.append("an out-of-range index on a CUDA table was not refused")
+    except IndexError:
+        pass
+    ran = violations = None
+    if mode == "double":
+        ran = cuda_double.counters().get("sends", 0) - before
+        violations = cuda_double.violations()
+    return bad, ran, violations
+
+
+@pytest.mark.parametrize("mode", [pytest.param("double", id="double"),
+                                  pytest.param("gpu", id="gpu", marks=pytest.mark.cuda)])
+def test_distributed_on_cuda(run, mode):
+    from test_cuda import DOUBLE, SHARED_GPU
+
+    res = run(2, body_distributed_cuda, mode, world_env=DOUBLE if mode == "double" else SHARED_GPU, timeout=120,
+              env=EXCHANGE)  # on the double, CPU tensors stand for CUDA ones: no direct path there
+    for bad, ran, violations in res:
+        assert not bad, bad
+        if mode == "double":
+            assert ran >= 9 and not violations, (ran, violations)  # all_to_all: NCCL sends on the engine

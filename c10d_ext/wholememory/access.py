@@ -28,7 +28,9 @@ def _check_indices(op, group, idx, rows: int, device) -> torch.Tensor:
     if idx.dim() != 1:
         fail(op, group, f"indices must be 1-D, got shape {list(idx.shape)}")
     if idx.device != device:
-        fail(op, group, f"indices are on {idx.device}, the tensor's rows on {device}")
+        if idx.device.type != "cpu":
+            fail(op, group, f"indices are on {idx.device}, the tensor's rows on {device}")
+        idx = idx.to(device)  # CPU indices for a table on a GPU: moved there
     if idx.numel():
         lo, hi = torch.aminmax(idx)
         if lo.item() < 0 or hi.item() >= rows:
@@ -155,6 +157,8 @@ def _distributed(t: DistributedTensor, indices, values):
     dev = t.device
     row_shape = tuple(m.shape[1:])
     error = None
+    if values is None and t._peers is not None and _dense_rows(m):
+        return _direct_gather(t, indices)
     try:
         idx = _check_indices(op, group, indices, m.rows, dev).to(torch.int64)
         if values is not None:
@@ -193,6 +197,29 @@ def _distributed(t: DistributedTensor, indices, values):
         uniq, last = _last_wins(recv_ids)
         local.index_copy_(0, uniq, got.index_select(0, last))
     return None
+
+
+def _direct_gather(t: DistributedTensor, indices) -> torch.Tensor:
+    """One host: every part is mapped here, so the rows are read where they lie. Still collective:
+    the ranks first agree that nobody's input is bad, which also orders this gather after every
+    rank's previous access (a scatter's rows are all in place)."""
+    m = t._meta
+    error = None
+    try:
+        idx = _check_indices("gather", m.group, indices, m.rows, t.device).contiguous()
+    except (TypeError, ValueError, IndexError) as e:
+        error = e
+    flags = torch.zeros(len(m.members), dtype=torch.int32)
+    flags[m.index] = error is not None
+    dist.all_reduce(flags, group=m.group)
+    if error is not None:
+        raise error
+    if flags.any():
+        fail("gather", m.group, f"rank {int(flags.nonzero()[0])} passed bad input (its error says what); nothing was moved")
+    out = torch.empty((idx.numel(),) + tuple(m.shape[1:]), dtype=m.dtype)
+    if idx.numel():
+        _C._wm_gather_rows(t._peers, m.parts[0][1], m.rows, m.stride[0], idx, out)
+    return out
 
 
 def _scratch(t: DistributedTensor, name: str, n: int, row_shape: tuple) -> torch.Tensor:

@@ -169,9 +169,10 @@ class ChunkedTensor(_Sharded):
 class DistributedTensor(_Sharded):
     """One part per rank of the group, held by that rank alone; every access is collective."""
 
-    def __init__(self, meta: _Meta, local: torch.Tensor):
+    def __init__(self, meta: _Meta, local: torch.Tensor, peers: list[torch.Tensor] | None = None):
         super().__init__(meta)
         self._local = local  # flat storage of this rank's part
+        self._peers = peers  # one host: every rank's part, mapped here (gathers read them directly)
         self._scratch: dict[str, torch.Tensor] = {}  # the exchanges' staging, reused (access.py)
 
     def get_local_tensor(self) -> torch.Tensor:
@@ -239,10 +240,13 @@ def _resolve_kind(kind) -> WmTensorType:
 
 
 def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.float32,
-                     wm_tensor_type=WmTensorType.CHUNKED, *, shape=None, stride=None, dtype=None, kind=None):
+                     wm_tensor_type=WmTensorType.CHUNKED, *, shape=None, stride=None, dtype=None, kind=None,
+                     device=None):
     """Collective over ``group`` (None: the default group): every rank passes the same shape,
     stride, dtype and kind. Returns a CPU tensor (HOST), a ChunkedTensor or a DistributedTensor.
-    The keywords shape=, stride=, dtype=, kind= name the last four too."""
+    The keywords shape=, stride=, dtype=, kind= name the last four too. ``device`` places a
+    DISTRIBUTED tensor's parts (default: this process's current CUDA device where CUDA is
+    available and the group runs CUDA tensors, else the CPU)."""
     sizes = shape if shape is not None else sizes
     strides = stride if stride is not None else strides
     tensor_dtype = dtype if dtype is not None else tensor_dtype
@@ -262,8 +266,14 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
     if kind is WmTensorType.DISTRIBUTED:
         n, me = dist.get_world_size(group), dist.get_rank(group)
         meta = _Meta(kind, group, shape, stride, tensor_dtype, list(range(n)), me, 0, 1)
+        where = _device(op, group, device)
+        if where.type == "cpu" and _one_host_shm(group):
+            # Each part in shared memory its rank makes: gathers read rows where they lie (access.py)
+            be = _topology(group)[0]
+            peers = [be.shared_tensor([max(c * stride[0], 1)], tensor_dtype, owner=i) for i, (_, c) in enumerate(meta.parts)]
+            return DistributedTensor(meta, peers[me], peers)
         count = meta.parts[me][1]
-        local = torch.zeros(max(count * stride[0], 1), dtype=tensor_dtype, device=_device(group))
+        local = torch.zeros(max(count * stride[0], 1), dtype=tensor_dtype, device=where)
         return DistributedTensor(meta, local)
     be, members, index, host, hosts = _topology(group)
     if kind in (WmTensorType.DEVICE, WmTensorType.CHUNKED) and hosts > 1:
@@ -273,6 +283,9 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
         fail(op, group, "DEVICE memory (GPU memory mapped by every local process) is not available in this "
              "build: it needs CUDA virtual memory, which is not implemented yet; use HOST, CHUNKED or DISTRIBUTED",
              NotImplementedError)
+    if device is not None and torch.device(device).type != "cpu":
+        fail(op, group, f"{kind.name} memory on {device} is not available in this build (host memory only); "
+             "use DISTRIBUTED for tensors on CUDA devices", NotImplementedError)
     meta = _Meta(kind, group, shape, stride, tensor_dtype, members, index, host, hosts)
     if kind is WmTensorType.HOST:
         flat = be.shared_tensor([storage_rows], tensor_dtype)
@@ -285,7 +298,29 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
     return ChunkedTensor(meta, chunks)
 
 
-def _device(group) -> torch.device:
+def _one_host_shm(group) -> bool:
+    """A myccl group whose ranks share one host's memory, with direct access allowed."""
+    from .. import _C
+    from ..config import parse_env
+
+    if not parse_env()["wm_direct"]:
+        return False
+    be = group._get_backend(torch.device("cpu"))
+    return (isinstance(be, _C.MycclBackend) and be.cross_size == 1 and be.uses_shared_memory
+            and dist.get_world_size(group) > 1)
+
+
+def _device(op, group, device) -> torch.device:
+    """Where a DISTRIBUTED tensor's parts live."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cpu", "cuda"):
+            fail(op, group, f"device must be a CPU or CUDA device, got {device}")
+        return device
+    if torch.cuda.is_available() and dist.get_backend(group) in ("myccl", "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
