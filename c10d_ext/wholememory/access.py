@@ -13,6 +13,8 @@ last value given (for DISTRIBUTED: the highest rank's, then the last position).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -175,12 +177,16 @@ def _distributed(t: DistributedTensor, indices, values):
     if bad.numel():
         fail(op, group, f"rank {int(bad[0])} passed bad input (its error says what); nothing was moved")
     sends, recvs = send_counts.tolist(), recv_counts.tolist()
-    recv_ids = torch.empty(sum(recvs), dtype=torch.int64, device=dev)
-    dist.all_to_all_single(recv_ids, send_ids, recvs, sends, group=group)
+    id_type = torch.int32 if m.rows < 2**31 else torch.int64  # half the bytes on the wire
+    recv_ids = torch.empty(sum(recvs), dtype=id_type, device=dev)
+    dist.all_to_all_single(recv_ids, send_ids.to(id_type), recvs, sends, group=group)
     local = t.get_local_tensor()
     first, count = m.parts[me]
     recv_ids -= first
     if values is None:  # rows go back to whoever asked, then into the order they asked in
+        row_bytes = m.dtype.itemsize * max(1, math.prod(row_shape))
+        if dev.type == "cpu" and _dense_rows(m) and max(sum(sends), sum(recvs)) * row_bytes >= PIECES_FROM:
+            return _rows_back_in_pieces(t, local, recv_ids, sends, recvs, order)
         rows = torch.index_select(local, 0, recv_ids, out=_scratch(t, "send", sum(recvs), row_shape))
         got = _scratch(t, "recv", sum(sends), row_shape)
         dist.all_to_all_single(got, rows, sends, recvs, group=group)
@@ -197,6 +203,58 @@ def _distributed(t: DistributedTensor, indices, values):
         uniq, last = _last_wins(recv_ids)
         local.index_copy_(0, uniq, got.index_select(0, last))
     return None
+
+
+PIECES_FROM = 1 << 20  # rows a rank sends or receives in one gather, in bytes, from which they move in pieces
+PIECES = 8
+
+
+def _split(count: int, k: int) -> list[int]:
+    """count rows in k pieces, the first ones a row longer: what both ends of a transfer compute."""
+    q, r = divmod(count, k)
+    return [q + (1 if i < r else 0) for i in range(k)]
+
+
+def _rows_back_in_pieces(t: DistributedTensor, local, recv_ids, sends, recvs, order) -> torch.Tensor:
+    """A large gather's rows go back in PIECES exchanges, each started before the previous one is
+    placed: the owners' row gathers and the askers' placing overlap the transfers (across hosts,
+    the link then carries rows nearly all the time)."""
+    m = t._meta
+    group, n = m.group, len(m.members)
+    row_shape = tuple(m.shape[1:])
+    per_row = max(1, math.prod(row_shape))
+    out = torch.empty((sum(sends),) + row_shape, dtype=m.dtype)
+    out_flat = out.view(-1)
+    send_buf = _scratch(t, "send", sum(recvs), row_shape)
+    recv_buf = _scratch(t, "recv", sum(sends), row_shape)
+    send_pieces = [_split(c, PIECES) for c in sends]  # rows this rank asked of peer p, per piece
+    recv_pieces = [_split(c, PIECES) for c in recvs]  # rows peer p asked of this rank, per piece
+    soff = [sum(sends[:p]) for p in range(n)]  # where peer p's rows start in `order`
+    roff = [sum(recvs[:p]) for p in range(n)]  # where peer p's ids start in recv_ids
+    s_at = r_at = 0
+    pending = None
+    for i in range(PIECES):
+        ids = torch.cat([recv_ids[roff[p] + sum(recv_pieces[p][:i]):][:recv_pieces[p][i]] for p in range(n)])
+        out_sizes = [send_pieces[p][i] for p in range(n)]
+        in_sizes = [recv_pieces[p][i] for p in range(n)]
+        rows = torch.index_select(local, 0, ids, out=send_buf[s_at:s_at + ids.numel()])
+        got = recv_buf[r_at:r_at + sum(out_sizes)]
+        work = dist.all_to_all_single(got, rows, out_sizes, in_sizes, group=group, async_op=True)
+        places = torch.cat([order[soff[p] + sum(send_pieces[p][:i]):][:send_pieces[p][i]] for p in range(n)])
+        if pending is not None:
+            _place(out_flat, per_row, *pending)
+        pending = (work, got, places)
+        s_at += ids.numel()
+        r_at += got.shape[0]
+    _place(out_flat, per_row, *pending)
+    return out
+
+
+def _place(out_flat, per_row, work, got, places) -> None:
+    work.wait()
+    if places.numel():
+        rows = out_flat.numel() // per_row
+        _C._wm_scatter_rows([out_flat], rows, rows, per_row, places, got)
 
 
 def _direct_gather(t: DistributedTensor, indices) -> torch.Tensor:
