@@ -393,19 +393,19 @@ class SetController(threading.Thread):
     def _inspect_stalls(self) -> None:
         """Horovod's stall inspector, per set: every HOROVOD_STALL_CHECK_TIME_SECONDS the set's
         rank 0 warns of requests that some members sent and others did not, naming the missing
-        ranks (and up to six names each); past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS the next cycle
-        tells every member, and all of them fail the set together."""
+        ranks (and up to six names each); past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS it says so in
+        that warning and its next cycle tells every member, and all of them fail the set
+        together. Only rank 0 decides, as Horovod's coordinator does, so its warning always
+        comes before the shutdown."""
         now = time.monotonic()
         if now - self.last_stall_check < self.stall_warn:
             return
         self.last_stall_check = now
         late = [(h, e) for h, e in self.table.items() if now - e.since > self.stall_warn]
-        if not late:
+        if not late or self.me != 0:  # as Horovod's coordinator: the set's rank 0 inspects and decides
             return
         if self.stall_shutdown > 0 and any(now - e.since > self.stall_shutdown for _, e in late):
             self.stalled = True
-        if self.me != 0:
-            return
         missing: dict[int, list[str]] = {}
         for h, e in late:
             name = self.mine[h].name if h in self.mine else f"<a tensor rank 0 did not submit, hash {h & 0xFFFFFFFF:08x}>"

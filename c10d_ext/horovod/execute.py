@@ -143,9 +143,14 @@ def _nbytes(resp) -> int:
     return item * first[3]
 
 
+ALONE_BYTES = 1 << 20  # an allreduce this large runs on its own tensor: fusing it would only copy it twice
+
+
 def _fuse(ctrl, responses):
     """Horovod's fusion: an allreduce/adasum (or allgather) takes later compatible ones (same
-    kind, dtype, device, op and scale factors) while the bytes stay within the threshold."""
+    kind, dtype, device, op and scale factors) while the bytes stay within the threshold. An
+    allreduce of ALONE_BYTES or more is not fused: in place, it is reduced where it lies (one
+    more collective costs less than copying it into a fusion buffer and back)."""
     threshold = ctrl.fusion_threshold
     if len(responses) == 1:
         yield responses
@@ -156,13 +161,13 @@ def _fuse(ctrl, responses):
             continue
         taken[i] = True
         bucket = [resp]
-        if resp[3] is None and resp[0] in _FUSABLE and threshold > 0:
+        if resp[3] is None and resp[0] in _FUSABLE and threshold > 0 and not _alone(resp):
             first = resp[2][min(resp[2])]
             key = (first[2] & 0xFFFFFF, first[5], first[6])
             size = _nbytes(resp)
             for j in range(i + 1, len(responses)):
                 other = responses[j]
-                if taken[j] or other[3] is not None or other[0] != resp[0]:
+                if taken[j] or other[3] is not None or other[0] != resp[0] or _alone(other):
                     continue
                 o = other[2][min(other[2])]
                 if (o[2] & 0xFFFFFF, o[5], o[6]) != key:
@@ -174,6 +179,10 @@ def _fuse(ctrl, responses):
                 taken[j] = True
                 bucket.append(other)
         yield bucket
+
+
+def _alone(resp) -> bool:
+    return resp[0] in (C.ALLREDUCE, C.ADASUM) and _nbytes(resp) >= ALONE_BYTES
 
 
 def _scale(t: torch.Tensor, factor: float) -> None:
