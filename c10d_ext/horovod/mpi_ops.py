@@ -211,11 +211,19 @@ class HorovodAllreduce(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+@_sync
+def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set):
     tensor_compressed, ctx = compression.compress(tensor)
-    summed = HorovodAllreduce.apply(tensor_compressed, average, name, op, prescale_factor, postscale_factor,
-                                    process_set)
+    if tensor_compressed.requires_grad and torch.is_grad_enabled():
+        summed = HorovodAllreduce.apply(tensor_compressed, average, name, op, prescale_factor, postscale_factor,
+                                        process_set)
+    else:  # nothing for autograd to record: the same op without the Function's own cost
+        summed = _allreduce_now(tensor_compressed, average, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(summed, ctx)
 
 
