@@ -378,23 +378,29 @@ def test_distributed_on_cuda(run, mode):
             assert ran >= 9 and not violations, (ran, violations)  # all_to_all: NCCL sends on the engine
 
 
-def body_large_exchange(ctx):
-    """A gather large enough that the exchange moves its rows in pieces (access.PIECES_FROM)."""
+def body_large_gather(ctx, kind):
+    """Gathers large enough that the exchange moves its rows in pieces (access.PIECES_FROM) and
+    that the result goes in huge-page memory (access.HUGE_FROM)."""
     import c10d_ext.wholememory as wm
     from c10d_ext.wholememory import access
 
     ctx.init()
     r = ctx.rank
     rows, dim = 3001, 64
-    t = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.DISTRIBUTED)
+    t = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, getattr(wm.WmTensorType, kind))
     ref = _reference(rows, (dim,), torch.float32)
     part, first = wm.local_partition(t)
     part.copy_(ref[first:first + part.shape[0]])
-    n_idx = access.PIECES_FROM // (dim * 4) * 3 + 7 * r + 1  # several pieces, uneven per peer
+    _sync(kind)
+    n_idx = max(access.PIECES_FROM, access.HUGE_FROM) // (dim * 4) * 2 + 7 * r + 1  # uneven per peer
     idx = torch.randint(0, rows, (n_idx,), generator=torch.Generator().manual_seed(r))
-    return torch.equal(wm.gather(t, idx), ref[idx])
+    got = wm.gather(t, idx)
+    _sync(kind)
+    return torch.equal(got, ref[idx]) and got.is_contiguous()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("size", [2, 3])
-def test_large_gather_in_pieces(run, size):
-    assert all(run(size, body_large_exchange, env=EXCHANGE, timeout=120))
+def test_large_gather(run, size, kind):
+    kind, env = _kind_env(kind)
+    assert all(run(size, body_large_gather, kind, env=env, timeout=120))
