@@ -112,6 +112,23 @@ def body_shared_tensor(ctx):
     return failures
 
 
+def body_owner_drops_at_once(ctx):
+    """The segment's owner (local rank 1) drops its tensor as soon as the call returns, while rank
+    0 comes late: creation is collective, so the owner's call waits until rank 0 has mapped it."""
+    import time
+
+    ctx.init(timeout=30)
+    be = _backend()
+    if ctx.rank == 0:
+        time.sleep(0.5)
+    t = be.shared_tensor([16], torch.float32, owner=1)
+    if ctx.rank == 1:
+        del t
+        return True
+    t.fill_(2)
+    return bool((t == 2).all())
+
+
 def body_leftovers(ctx):
     ctx.init()
     x = torch.ones(1 << 20)
@@ -160,6 +177,10 @@ def test_zero_copy(run, size):
 def test_shared_tensor(run, size):
     failures = [f for fs in run(size, body_shared_tensor) for f in fs]
     assert not failures, failures
+
+
+def test_shared_tensor_owner_may_drop_it_at_once(run):
+    assert run(2, body_owner_drops_at_once, timeout=60) == [True, True]
 
 
 def test_nothing_left_in_dev_shm(run):

@@ -156,7 +156,7 @@ at::Tensor MycclBackend::sharedTensor(const std::vector<int64_t>& shape, at::Sca
     MYCCL_CHECK_ARG(shape[i] >= 0, w, ": dimension ", i, " is negative (", shape[i], ")");
   MYCCL_CHECK_ARG(owner >= 0 && owner < topology().localSize, w, ": owner must be a local rank in [0, ",
                   topology().localSize, "), got ", owner);
-  return engines_.cpu(w)->sharedTensor(shape, dtype, owner);
+  return engines_.cpu(w)->sharedTensor(shape, dtype, owner, timeout(), w);
 }
 
 bool MycclBackend::supportsTensorAlloc(c10::DeviceIndex deviceIdx) {

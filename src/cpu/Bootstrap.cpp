@@ -214,7 +214,8 @@ GroupLinks splitGroupLinks(c10d::Store& store, const SplitSource& parent, const 
 }
 
 at::Tensor sharedTensor(c10d::Store& store, const std::string& keyPrefix, const Topology& topo, uint64_t serial,
-                        const std::vector<int64_t>& shape, at::ScalarType dtype, int owner) {
+                        const std::vector<int64_t>& shape, at::ScalarType dtype, int owner,
+                        std::chrono::milliseconds timeout, const std::string& where) {
   int64_t numel = 1;
   for (auto d : shape) numel *= d;
   const size_t nbytes = std::max<size_t>(64, static_cast<size_t>(numel) * c10::elementSize(dtype));
@@ -224,11 +225,17 @@ at::Tensor sharedTensor(c10d::Store& store, const std::string& keyPrefix, const 
     seg = ShmSegment::create(nbytes);
     store.set(key, std::vector<uint8_t>(seg->name().begin(), seg->name().end()));
   } else {
+    waitForRanks(store, {key}, {topo.localRanks[owner]}, timeout, "the name of a shared tensor's segment", where);
     auto v = store.get(key);
     seg = ShmSegment::open(std::string(v.begin(), v.end()), nbytes);
   }
-  // The last local rank to map it removes the name: nothing is left in /dev/shm.
-  if (store.add(key + "/mapped", 1) == topo.localSize) shm_unlink(seg->name().c_str());
+  // Every local rank has mapped it before any returns; then the owner removes the name (nothing
+  // is left in /dev/shm, whoever exits first).
+  store.set(key + "/mapped/" + std::to_string(topo.localRank), std::vector<uint8_t>{1});
+  std::vector<std::string> mapped;
+  for (int i = 0; i < topo.localSize; ++i) mapped.push_back(key + "/mapped/" + std::to_string(i));
+  waitForRanks(store, mapped, topo.localRanks, timeout, "that they mapped a shared tensor", where);
+  if (topo.localRank == owner) seg->unlink();
   return at::from_blob(seg->data(), shape, [seg](void*) {}, at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 

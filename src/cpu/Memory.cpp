@@ -8,9 +8,10 @@
 
 namespace myccl::cpu {
 
-at::Tensor CpuEngine::sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype, int owner) {
+at::Tensor CpuEngine::sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype, int owner,
+                                   std::chrono::milliseconds timeout, const std::string& where) {
   // Every rank calls this in the same order, so the counter names the same tensor everywhere.
-  return cpu::sharedTensor(*store_, keyPrefix_, topo_, ++sharedCount_, shape, dtype, owner);
+  return cpu::sharedTensor(*store_, keyPrefix_, topo_, ++sharedCount_, shape, dtype, owner, timeout, where);
 }
 
 at::Tensor CpuEngine::allocateTensor(int64_t numel, const at::TensorOptions& options) {

@@ -55,10 +55,13 @@ GroupLinks splitGroupLinks(c10d::Store& store, const SplitSource& parent, const 
 
 // Collective over the group's ranks: a zero-filled CPU tensor whose storage every rank of the
 // group on this host maps (one copy per host). `serial` numbers the calls (the same on every
-// rank); the segment's name is gone from /dev/shm once every local rank has mapped it. The
-// local rank `owner` creates it (whole-memory chunks: one segment made by each local rank).
+// rank). The local rank `owner` creates it (whole-memory chunks: one segment made by each local
+// rank); no rank returns before every local rank has mapped it, so a rank that drops its tensor
+// at once cannot take the segment from a peer still opening it, and the name is gone from
+// /dev/shm by then. Waits within `timeout`, naming the local ranks that did not arrive.
 at::Tensor sharedTensor(c10d::Store& store, const std::string& keyPrefix, const Topology& topo, uint64_t serial,
-                        const std::vector<int64_t>& shape, at::ScalarType dtype, int owner = 0);
+                        const std::vector<int64_t>& shape, at::ScalarType dtype, int owner,
+                        std::chrono::milliseconds timeout, const std::string& where);
 
 // After a failure, among the group's ranks still running (Survivors.cpp): the ranks that called
 // this within `timeout`, the same list on every rank that gets one, meeting under `base` in

@@ -109,7 +109,8 @@ class CpuEngine final : public Engine {
   LinkModel linkModel() const;
   at::Tensor allocateTensor(int64_t numel, const at::TensorOptions& options);
   // Collective: see cpu::sharedTensor (Bootstrap.hpp).
-  at::Tensor sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype, int owner = 0);
+  at::Tensor sharedTensor(const std::vector<int64_t>& shape, at::ScalarType dtype, int owner,
+                          std::chrono::milliseconds timeout, const std::string& where);
 
  private:
   // Closes this group's links, orderly: links lent to split groups close with the last of them.
