@@ -155,34 +155,33 @@ def _fuse(ctrl, responses):
     if len(responses) == 1:
         yield responses
         return
+    nbytes = [_nbytes(r) for r in responses]  # once each: the pairs below look at them again and again
+    fusable = [r[3] is None and r[0] in _FUSABLE and not _alone(r[0], b) for r, b in zip(responses, nbytes)]
     taken = [False] * len(responses)
     for i, resp in enumerate(responses):
         if taken[i]:
             continue
         taken[i] = True
         bucket = [resp]
-        if resp[3] is None and resp[0] in _FUSABLE and threshold > 0 and not _alone(resp):
+        if fusable[i] and threshold > 0:
             first = resp[2][min(resp[2])]
             key = (first[2] & 0xFFFFFF, first[5], first[6])
-            size = _nbytes(resp)
+            size = nbytes[i]
             for j in range(i + 1, len(responses)):
                 other = responses[j]
-                if taken[j] or other[3] is not None or other[0] != resp[0] or _alone(other):
+                if taken[j] or not fusable[j] or other[0] != resp[0]:
                     continue
                 o = other[2][min(other[2])]
-                if (o[2] & 0xFFFFFF, o[5], o[6]) != key:
+                if (o[2] & 0xFFFFFF, o[5], o[6]) != key or size + nbytes[j] > threshold:
                     continue
-                b = _nbytes(other)
-                if size + b > threshold:
-                    continue
-                size += b
+                size += nbytes[j]
                 taken[j] = True
                 bucket.append(other)
         yield bucket
 
 
-def _alone(resp) -> bool:
-    return resp[0] in (C.ALLREDUCE, C.ADASUM) and _nbytes(resp) >= ALONE_BYTES
+def _alone(kind: int, nbytes: int) -> bool:
+    return kind in (C.ALLREDUCE, C.ADASUM) and nbytes >= ALONE_BYTES
 
 
 def _scale(t: torch.Tensor, factor: float) -> None:
