@@ -20,7 +20,10 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .tensor import ChunkedTensor, DistributedTensor, fail, meta_of
+from .tensor import ChunkedTensor, DistributedTensor, agree_on_error, fail, meta_of
+
+
+BAD_PEER = "rank {rank} passed bad input (its error says what); nothing was moved"
 
 
 def _check_indices(op, group, idx, rows: int, device) -> torch.Tensor:
@@ -67,8 +70,7 @@ def result_rows(n: int, row_shape: tuple, dtype: torch.dtype, device=None) -> to
     transparent huge pages: the first writes into a fresh result fault a 2 MiB page at a time
     instead of 4 KiB (on the benchmark VM a 64 MiB gather ran 3x faster for that alone). It is an
     ordinary tensor whose memory goes with its last reference."""
-    per_row = math.prod(row_shape) if row_shape else 1
-    nbytes = n * per_row * dtype.itemsize
+    nbytes = n * math.prod(row_shape) * dtype.itemsize
     if (device is not None and torch.device(device).type != "cpu") or nbytes < HUGE_FROM or _MADV_HUGEPAGE is None:
         return torch.empty((n,) + tuple(row_shape), dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -204,7 +206,7 @@ def _distributed(t: DistributedTensor, indices, values):
         raise error
     bad = (recv_counts < 0).nonzero()
     if bad.numel():
-        fail(op, group, f"rank {int(bad[0])} passed bad input (its error says what); nothing was moved")
+        fail(op, group, BAD_PEER.format(rank=int(bad[0])))
     sends, recvs = send_counts.tolist(), recv_counts.tolist()
     id_type = torch.int32 if m.rows < 2**31 else torch.int64  # half the bytes on the wire
     recv_ids = torch.empty(sum(recvs), dtype=id_type, device=dev)
@@ -296,13 +298,7 @@ def _direct_gather(t: DistributedTensor, indices) -> torch.Tensor:
         idx = _check_indices("gather", m.group, indices, m.rows, t.device).contiguous()
     except (TypeError, ValueError, IndexError) as e:
         error = e
-    flags = torch.zeros(len(m.members), dtype=torch.int32)
-    flags[m.index] = error is not None
-    dist.all_reduce(flags, group=m.group)
-    if error is not None:
-        raise error
-    if flags.any():
-        fail("gather", m.group, f"rank {int(flags.nonzero()[0])} passed bad input (its error says what); nothing was moved")
+    agree_on_error("gather", m.group, error, BAD_PEER)
     out = result_rows(idx.numel(), tuple(m.shape[1:]), m.dtype)
     if idx.numel():
         _C._wm_gather_rows(t._peers, m.parts[0][1], m.rows, m.stride[0], idx, out)
@@ -312,10 +308,7 @@ def _direct_gather(t: DistributedTensor, indices) -> torch.Tensor:
 def _scratch(t: DistributedTensor, name: str, n: int, row_shape: tuple) -> torch.Tensor:
     """A buffer of n rows kept with the tensor between calls: the exchanges' staging, whose pages
     are then already there (a fresh buffer of that size costs as much as the copy into it)."""
-    per_row = 1
-    for d in row_shape:
-        per_row *= d
-    need = n * per_row
+    need = n * math.prod(row_shape)
     buf = t._scratch.get(name)
     if buf is None or buf.numel() < need:
         buf = t._scratch[name] = torch.empty(max(need, 1), dtype=t.dtype, device=t.device)

@@ -17,7 +17,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from .tensor import WmTensorType, fail, local_partition, meta_of
+from .tensor import WmTensorType, agree_on_error, local_partition, meta_of
 
 
 def part_file_name(prefix: str, i: int, n: int) -> str:
@@ -37,15 +37,7 @@ def _as_bytes(rows: torch.Tensor) -> memoryview:
 
 
 def _agree(op, group, error: BaseException | None) -> None:
-    """Every rank learns whether any failed; the one that failed raises its own error."""
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32)
-    if error is not None:
-        flags[dist.get_rank(group)] = 1
-    dist.all_reduce(flags, group=group)
-    if error is not None:
-        raise error
-    if flags.any():
-        fail(op, group, f"rank {int(flags.nonzero()[0])} failed (its error says why)", OSError)
+    agree_on_error(op, group, error, "rank {rank} failed (its error says why)", OSError)
 
 
 def _writer(m) -> bool:

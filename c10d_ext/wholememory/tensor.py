@@ -50,6 +50,19 @@ def fail(op: str, group, text: str, exc=ValueError):
     raise exc(f"myccl: {op} (rank {_rank(group)}): {text}")
 
 
+def agree_on_error(op: str, group, error: BaseException | None, others: str, exc=ValueError) -> None:
+    """Collective: every rank learns whether any rank failed before a step all must take together.
+    The rank that failed raises its own error; the others raise ``others`` (with ``{rank}``, the
+    first rank that failed), so none waits in a step the others skip."""
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32)
+    flags[dist.get_rank(group)] = error is not None
+    dist.all_reduce(flags, group=group)
+    if error is not None:
+        raise error
+    if flags.any():
+        fail(op, group, others.format(rank=int(flags.nonzero()[0])), exc)
+
+
 def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     """WholeMemory's equal partition: ceil(rows/parts) rows each, clamped; (first, count) each."""
     per = -(-rows // parts) if parts else 0
@@ -267,10 +280,9 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
         n, me = dist.get_world_size(group), dist.get_rank(group)
         meta = _Meta(kind, group, shape, stride, tensor_dtype, list(range(n)), me, 0, 1)
         where = _device(op, group, device)
-        if where.type == "cpu" and _one_host_shm(group):
-            # Each part in shared memory its rank makes: gathers read rows where they lie (access.py)
-            be = _topology(group)[0]
-            peers = [be.shared_tensor([max(c * stride[0], 1)], tensor_dtype, owner=i) for i, (_, c) in enumerate(meta.parts)]
+        be = _one_host_backend(group) if where.type == "cpu" else None
+        if be is not None:  # each part in shared memory its rank makes: gathers read rows where they lie
+            peers = _parts_in_shared_memory(be, meta)
             return DistributedTensor(meta, peers[me], peers)
         count = meta.parts[me][1]
         local = torch.zeros(max(count * stride[0], 1), dtype=tensor_dtype, device=where)
@@ -292,22 +304,26 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
         t = flat.as_strided(shape, stride)
         _track(t, meta)
         return t
-    # CHUNKED: chunk i is made by local rank i, every local rank maps every chunk
-    chunks = [be.shared_tensor([max(count * stride[0], 1)], tensor_dtype, owner=i)
-              for i, (_, count) in enumerate(meta.parts)]
-    return ChunkedTensor(meta, chunks)
+    return ChunkedTensor(meta, _parts_in_shared_memory(be, meta))
 
 
-def _one_host_shm(group) -> bool:
-    """A myccl group whose ranks share one host's memory, with direct access allowed."""
+def _parts_in_shared_memory(be, meta: _Meta) -> list[torch.Tensor]:
+    """Part i (flat) in shared memory that local rank i makes; every local rank maps every part."""
+    return [be.shared_tensor([max(count * meta.stride[0], 1)], meta.dtype, owner=i)
+            for i, (_, count) in enumerate(meta.parts)]
+
+
+def _one_host_backend(group):
+    """The group's myccl backend where its ranks share one host's memory and direct access is
+    allowed (MYCCL_WM_DIRECT); else None."""
     from .. import _C
     from ..config import parse_env
 
-    if not parse_env()["wm_direct"]:
-        return False
+    if not parse_env()["wm_direct"] or dist.get_world_size(group) == 1:
+        return None
     be = group._get_backend(torch.device("cpu"))
-    return (isinstance(be, _C.MycclBackend) and be.cross_size == 1 and be.uses_shared_memory
-            and dist.get_world_size(group) > 1)
+    ok = isinstance(be, _C.MycclBackend) and be.cross_size == 1 and be.uses_shared_memory
+    return be if ok else None
 
 
 def _device(op, group, device) -> torch.device:
