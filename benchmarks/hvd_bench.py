@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -30,10 +29,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from _ranks import run_ranks  # noqa: E402
 
 
 def _timed(fn, reps: int) -> float:
@@ -134,12 +134,6 @@ def worker(rank: int, size: int, port: int, args, queue) -> None:
         queue.put(out)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2)
@@ -152,15 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_out", "hvd_bench.json"))
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    out = queue.get(timeout=1800)
-    for p in procs:
-        p.join(60)
+    out = run_ranks(worker, args.world_size, args, timeout=1800)
     med = {part: {k: statistics.median(v) for k, v in tbl.items()} for part, tbl in out.items()}
     print(f"c10d_ext.horovod vs torch.distributed, {args.world_size} ranks, medians of {args.rounds} rounds")
     print(f"\n{'per op (8 B)':40s} {'us':>10s}")

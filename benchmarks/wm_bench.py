@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from _ranks import run_ranks  # noqa: E402
 
 
 def _bytes(text: str) -> int:
@@ -191,20 +192,7 @@ def main() -> None:
         res, rate = _multihost(args, out)
         report(res, out, rate)
         return
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    res = queue.get(timeout=3600)
-    for p in procs:
-        p.join(60)
-    report(res, out, None)
+    report(run_ranks(_spawned, args.world_size, args, timeout=3600), out, None)
 
 
 def _multihost(args, out):
