@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "myccl/Errors.hpp"
+#include "myccl/cuda/Memory.hpp"
 #include "myccl/cuda/NcclEngine.hpp"
 #ifdef MYCCL_WITH_NCCL
 #include "myccl/cuda/RealRuntime.hpp"
@@ -63,6 +64,15 @@ std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_
   }
   return std::make_shared<cuda::NcclEngine>(std::move(store), keyPrefix, rank, size, group, cfg, timeout, std::move(rt),
                                             std::move(hooks), std::move(recorder));
+}
+
+std::shared_ptr<cuda::Memory> processMemory() {
+  if (auto test = testRuntime()) return test->memory();
+#ifdef MYCCL_WITH_NCCL
+  return cuda::realMemory();
+#else
+  return nullptr;
+#endif
 }
 
 std::string ncclRuntimeVersion() {

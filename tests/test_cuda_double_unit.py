@@ -17,3 +17,13 @@ def test_cuda_double_unit_tests(tmp_path):
     exe = build(tmp_path, "test_cuda_double", sources, with_torch=True)
     # The binary bounds itself (a watchdog ends a hung test with its name); this is the backstop.
     run(exe, timeout=180, what="CUDA double unit tests")
+
+
+def test_cuda_memory_unit_tests(tmp_path):
+    """The double's shared device memory (Memory.cpp) and SharedRegion, the C++ under whole-memory
+    DEVICE and CUDA CHUNKED tensors: sharing, lifetime, every misuse, a use after unmap."""
+    sources = [os.path.join("src", "cuda", "double", f) for f in sorted(os.listdir(DOUBLE)) if f.endswith(".cpp")]
+    sources += [os.path.join("src", "cuda", "Runtime.cpp"), os.path.join("src", "cuda", "SharedRegion.cpp"),
+                os.path.join("tests", "cpp", "test_cuda_memory.cpp")]
+    exe = build(tmp_path, "test_cuda_memory", sources, with_torch=True)
+    run(exe, timeout=120, what="CUDA memory unit tests")

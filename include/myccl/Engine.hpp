@@ -24,6 +24,7 @@ namespace myccl {
 
 namespace cuda {
 class Device;
+class Memory;
 struct Runtime;
 }
 
@@ -105,6 +106,8 @@ class TestRuntime {
   virtual ~TestRuntime() = default;
   // The runtime of one CUDA engine; `store`: the engine's own key space in its group's store.
   virtual cuda::Runtime make(c10::intrusive_ptr<c10d::Store> store) = 0;
+  // The process's shared device memory (cuda/Memory.hpp) on the same simulated machine.
+  virtual std::shared_ptr<cuda::Memory> memory() = 0;
 };
 // The name of the PyCapsule that carries a std::shared_ptr<TestRuntime>* from the test extension
 // to _C._install_test_runtime (both built by one setup.py run, from the same headers).
@@ -114,6 +117,9 @@ bool testRuntimeInstalled();
 
 // Whether this build can run CUDA tensors on a GPU.
 bool cudaEngineBuilt();
+// The process's shared device memory: the installed test runtime's, else the real one (builds
+// with the CUDA engine); null where neither exists.
+std::shared_ptr<cuda::Memory> processMemory();
 // The version of the libnccl this process loaded ("" without the CUDA engine).
 std::string ncclRuntimeVersion();
 

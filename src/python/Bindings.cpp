@@ -307,6 +307,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("parts"), py::arg("per_part"), py::arg("rows"), py::arg("row_stride"), py::arg("indices"), py::arg("values"));
 
   bindReducer(m);
+  bindMemory(m);
   // For the test-only extension c10d_ext._test_double (Engine.hpp, TestRuntime).
   m.def("_install_test_runtime", [](py::object capsule) {
     void* p = PyCapsule_GetPointer(capsule.ptr(), myccl::kTestRuntimeCapsule);

@@ -4,3 +4,4 @@
 #include <pybind11/pybind11.h>
 
 void bindReducer(pybind11::module& m);
+void bindMemory(pybind11::module& m);

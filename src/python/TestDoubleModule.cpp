@@ -20,6 +20,7 @@ class DoubleRuntime final : public myccl::TestRuntime {
   myccl::cuda::Runtime make(c10::intrusive_ptr<c10d::Store> store) override {
     return td::runtime(machine_, std::move(store));
   }
+  std::shared_ptr<myccl::cuda::Memory> memory() override { return td::memory(machine_); }
 
  private:
   std::shared_ptr<td::Machine> machine_;

@@ -2,10 +2,12 @@
 // loaded it (one libnccl per process). Only in builds with NCCL (MYCCL_WITH_NCCL).
 #pragma once
 
+#include "myccl/cuda/Memory.hpp"
 #include "myccl/cuda/Runtime.hpp"
 
 namespace myccl::cuda {
 
 Runtime realRuntime();  // the process's one (stateless: forwards every call)
+std::shared_ptr<Memory> realMemory();  // CUDA's virtual memory, through the driver (RealMemory.cpp)
 
 }  // namespace myccl::cuda

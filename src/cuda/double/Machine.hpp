@@ -114,6 +114,8 @@ class Machine : public std::enable_shared_from_this<Machine> {
   Clock::duration hang() const { return std::chrono::milliseconds(opts.hangMs); }
 
   Allocator& allocator() { return *allocator_; }
+  // The machine's shared device memory (Memory.cpp), made on first use and kept while used.
+  std::shared_ptr<Memory> memory();
   // Communicator state, created by the first Nccl on this machine.
   std::shared_ptr<NcclState> nccl();
 
@@ -127,6 +129,8 @@ class Machine : public std::enable_shared_from_this<Machine> {
   std::vector<int64_t> nextStream_;
   std::unique_ptr<Allocator> allocator_;
   std::shared_ptr<NcclState> nccl_;
+  std::mutex memoryMu_;
+  std::weak_ptr<Memory> memory_;
 };
 
 // Polls `ready` until true or `cancelled()`, sleeping a little longer each round (at most

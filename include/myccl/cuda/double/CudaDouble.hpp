@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "myccl/cuda/Memory.hpp"
 #include "myccl/cuda/Runtime.hpp"
 
 namespace myccl::cuda::testdouble {
@@ -44,6 +45,13 @@ std::shared_ptr<Machine> newMachine(const Options& opts = {});
 // The Runtime of one engine: the machine's Device and an Nccl whose communicators move data
 // through `store`. kind = "double".
 Runtime runtime(const std::shared_ptr<Machine>& m, c10::intrusive_ptr<c10d::Store> store);
+// The machine's shared device memory (Memory.hpp): "device memory" is memfd files, so handles
+// travel between processes as file descriptors, as CUDA's do; granularity kMemoryGranularity.
+// Every address range it reserves stays reserved (inaccessible) after it is freed, and a fault in
+// one is reported on stderr before the process dies of it: a use after cuMemUnmap /
+// cuMemAddressFree, or before cuMemMap / cuMemSetAccess, fails loudly, not silently.
+std::shared_ptr<Memory> memory(const std::shared_ptr<Machine>& m);
+constexpr size_t kMemoryGranularity = 2 << 20;
 // The machine's Device alone (tests that need no NCCL).
 std::shared_ptr<Device> device(const std::shared_ptr<Machine>& m);
 const Options& options(const Machine& m);
@@ -64,7 +72,8 @@ void synchronize(Machine& m);
 //   launches_skipped, ops_abandoned   items skipped or stopped by abort or an earlier error
 //   hangs            hang violations;  groups_failed   groups ended with an op's error
 //   allocations, frees, record_streams   allocator;  events, streams_high_priority,
-//   relaxed_capture_mode   Device calls
+//   relaxed_capture_mode   Device calls;  mem_creates, mem_imports, mem_maps, and the live
+//   mem_handles, mem_mapped, host_registered   shared device memory
 std::map<std::string, int64_t> counters(const Machine& m);
 
 // The same on the process's machine.

@@ -1,0 +1,132 @@
+// Device memory shared by the processes of one host (SharedRegion.hpp): the order of the calls
+// on the seam's Memory, and the cleanup when a step fails half way.
+#include "myccl/cuda/SharedRegion.hpp"
+
+#include <c10/util/Exception.h>
+
+namespace myccl::cuda {
+
+namespace {
+size_t roundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+}  // namespace
+
+SharedRegion::SharedRegion(std::shared_ptr<Memory> memory, int device, size_t bytes)
+    : mem_(std::move(memory)), device_(device) {
+  TORCH_CHECK(mem_, "myccl: shared device memory: this build has no CUDA memory (no NCCL engine, no test double)");
+  std::string why;
+  TORCH_CHECK(mem_->shareable(device, &why), "myccl: shared device memory: cuda:", device,
+              " cannot share memory between processes: ", why);
+  gran_ = mem_->granularity(device);
+  bytes_ = roundUp(bytes, gran_);
+  if (bytes_ > 0) {
+    own_ = mem_->create(device, bytes_);
+    haveOwn_ = true;
+  }
+}
+
+SharedRegion::~SharedRegion() {
+  // Never throws: a failure here can only leak address space or a handle, reported by the double.
+  for (auto& r : ranges_) {
+    for (auto& [va, n] : r.mapped) {
+      try {
+        mem_->unmap(va, n);
+      } catch (const std::exception&) {
+      }
+    }
+    try {
+      mem_->unreserve(r.va, r.bytes);
+    } catch (const std::exception&) {
+    }
+  }
+  for (MemHandle h : imported_) {
+    try {
+      mem_->release(h);
+    } catch (const std::exception&) {
+    }
+  }
+  if (haveOwn_) {
+    try {
+      mem_->release(own_);
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+int SharedRegion::exportFd() {
+  return haveOwn_ ? mem_->exportFd(own_) : -1;
+}
+
+void SharedRegion::map(const std::vector<int>& fds, const std::vector<size_t>& sizes, int mine, bool contiguous) {
+  std::lock_guard<std::mutex> lk(mu_);
+  TORCH_CHECK(!mapped_, "myccl: shared device memory: map() was already called");
+  TORCH_CHECK(fds.size() == sizes.size() && mine >= 0 && mine < static_cast<int>(sizes.size()),
+              "myccl: shared device memory: map() needs one descriptor and size per part and this process's index");
+  TORCH_CHECK(sizes[mine] == bytes_, "myccl: shared device memory: part ", mine, " is ", sizes[mine],
+              " bytes but this process made ", bytes_);
+  mapped_ = true;
+  size_t total = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    TORCH_CHECK(sizes[i] % gran_ == 0, "myccl: shared device memory: part ", i, " has ", sizes[i],
+                " bytes, not a multiple of the granularity ", gran_);
+    TORCH_CHECK(sizes[i] == 0 || static_cast<int>(i) == mine || fds[i] >= 0,
+                "myccl: shared device memory: no descriptor for part ", i);
+    total += sizes[i];
+  }
+  partRange_.assign(sizes.size(), -1);
+  if (contiguous && total > 0) {
+    ranges_.push_back(Range{mem_->reserve(total), total, {}});
+  }
+  size_t offset = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == 0) continue;
+    MemHandle h = own_;
+    if (static_cast<int>(i) != mine) {
+      h = mem_->importFd(fds[i]);
+      imported_.push_back(h);
+    }
+    if (!contiguous) {
+      ranges_.push_back(Range{mem_->reserve(sizes[i]), sizes[i], {}});
+      offset = 0;
+    }
+    Range& r = ranges_.back();
+    mem_->map(r.va + offset, sizes[i], h);
+    r.mapped.emplace_back(r.va + offset, sizes[i]);
+    partRange_[i] = static_cast<int>(ranges_.size()) - 1;
+    offset += sizes[i];
+  }
+  grant(device_);
+}
+
+void SharedRegion::grant(int device) {
+  if (!granted_.insert(device).second) return;
+  for (auto& r : ranges_) {
+    for (auto& [va, n] : r.mapped) mem_->setAccess(va, n, device);
+  }
+}
+
+at::Tensor SharedRegion::view(int part, int64_t offset, at::IntArrayRef sizes, at::IntArrayRef strides,
+                              at::ScalarType dtype, int device) {
+  std::lock_guard<std::mutex> lk(mu_);
+  TORCH_CHECK(mapped_, "myccl: shared device memory: view() before map()");
+  const Range* r = nullptr;
+  if (part < 0) {
+    TORCH_CHECK(ranges_.size() <= 1 && (ranges_.empty() || ranges_[0].mapped.size() >= 1),
+                "myccl: shared device memory: a whole view needs a contiguous region");
+    r = ranges_.empty() ? nullptr : &ranges_[0];
+  } else {
+    TORCH_CHECK(part < static_cast<int>(partRange_.size()), "myccl: shared device memory: no part ", part);
+    r = partRange_[part] < 0 ? nullptr : &ranges_[partRange_[part]];
+  }
+  TORCH_CHECK(r != nullptr, "myccl: shared device memory: part ", part, " has no pages");
+  int64_t extent = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) extent += (sizes[d] - 1) * strides[d];
+  const int64_t end = offset + (sizes.empty() || c10::multiply_integers(sizes) == 0 ? 0 : extent * c10::elementSize(dtype));
+  TORCH_CHECK(offset >= 0 && end <= static_cast<int64_t>(r->bytes), "myccl: shared device memory: a view of ", end - offset,
+              " bytes at ", offset, " does not fit the ", r->bytes, " bytes of part ", part);
+  grant(device);
+  auto self = shared_from_this();
+  return mem_->tensorAt(reinterpret_cast<void*>(r->va + offset), sizes, strides, dtype, device,
+                        [self]() mutable { self.reset(); });
+}
+
+}  // namespace myccl::cuda
