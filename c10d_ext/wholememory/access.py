@@ -103,10 +103,10 @@ def gather(t, indices) -> torch.Tensor:
     if isinstance(t, DistributedTensor):
         return _distributed(t, indices, None)
     if isinstance(t, ChunkedTensor):
-        idx = _check_indices("gather", m.group, indices, m.rows, torch.device("cpu"))
+        idx = _check_indices("gather", m.group, indices, m.rows, t.device)
         return _chunked_gather(t, idx)
     idx = _check_indices("gather", m.group, indices, t.shape[0], t.device)
-    return torch.index_select(t, 0, idx, out=result_rows(idx.numel(), tuple(t.shape[1:]), t.dtype))
+    return torch.index_select(t, 0, idx, out=result_rows(idx.numel(), tuple(t.shape[1:]), t.dtype, t.device))
 
 
 def scatter(t, values, indices) -> None:
@@ -117,11 +117,11 @@ def scatter(t, values, indices) -> None:
         return
     rows = m.rows if isinstance(t, ChunkedTensor) else t.shape[0]
     row_shape = m.shape[1:] if isinstance(t, ChunkedTensor) else tuple(t.shape[1:])
-    idx = _check_indices("scatter", m.group, indices, rows, torch.device("cpu"))
-    vals = _check_values("scatter", m.group, values, idx.numel(), row_shape, m.dtype, torch.device("cpu"))
+    idx = _check_indices("scatter", m.group, indices, rows, t.device)
+    vals = _check_values("scatter", m.group, values, idx.numel(), row_shape, m.dtype, t.device)
     if not idx.numel():
         return
-    if isinstance(t, ChunkedTensor) and _dense_rows(m):  # in index order: the last value wins
+    if isinstance(t, ChunkedTensor) and _dense_rows(m) and t.device.type == "cpu":  # the last value wins
         _C._wm_scatter_rows(t._chunks, m.parts[0][1], m.rows, m.stride[0], idx.contiguous(), vals.contiguous())
         return
     uniq, last = _last_wins(idx)
@@ -135,7 +135,8 @@ def _by_owner(idx: torch.Tensor, per: int, parts: int):
     """Groups indices by the part that holds them: (order, counts per part, sorted indices)."""
     owner = torch.div(idx, per, rounding_mode="floor") if per else torch.zeros_like(idx)
     order = torch.argsort(owner, stable=True)
-    counts = torch.bincount(owner, minlength=parts) if idx.numel() else torch.zeros(parts, dtype=torch.int64)
+    counts = (torch.bincount(owner, minlength=parts) if idx.numel()
+              else torch.zeros(parts, dtype=torch.int64, device=idx.device))
     return order, counts, idx.index_select(0, order)
 
 
@@ -153,10 +154,10 @@ def _dense_rows(m) -> bool:
 def _chunked_gather(t: ChunkedTensor, idx: torch.Tensor) -> torch.Tensor:
     m = t._meta
     per = m.parts[0][1]
-    out = result_rows(idx.numel(), tuple(m.shape[1:]), m.dtype)
+    out = result_rows(idx.numel(), tuple(m.shape[1:]), m.dtype, t.device)
     if not idx.numel():
         return out
-    if _dense_rows(m):
+    if _dense_rows(m) and t.device.type == "cpu":  # the C++ row kernel (host memory)
         _C._wm_gather_rows(t._chunks, per, m.rows, m.stride[0], idx.contiguous(), out)
         return out
     chunks = t.get_all_chunked_tensor()

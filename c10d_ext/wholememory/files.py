@@ -32,7 +32,7 @@ def _row_bytes(m) -> int:
 
 
 def _as_bytes(rows: torch.Tensor) -> memoryview:
-    flat = rows.contiguous().view(-1)
+    flat = rows.cpu().contiguous().view(-1)  # CUDA rows: through a host copy
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
@@ -105,7 +105,8 @@ def _read_rows(files, sizes, rb: int, first: int, dest: torch.Tensor) -> None:
     count = dest.shape[0]
     if not count:
         return
-    buf = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype)
+    direct = dest.is_contiguous() and dest.device.type == "cpu"
+    buf = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
     out = _as_bytes(buf)  # buf is contiguous: this is its memory, not a copy
     want_lo, want_hi = first * rb, (first + count) * rb
     at = 0

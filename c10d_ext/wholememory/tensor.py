@@ -10,7 +10,9 @@ possibly shorter or empty. What a kind keeps where:
   ``ChunkedTensor``. One host only.
 - DISTRIBUTED (old name NCCL): one part per rank of the group, on any host, held by that rank
   alone; a ``DistributedTensor``, reached through the collective gather / scatter.
-- DEVICE: GPU memory mapped by every local process; needs CUDA (see docs/WHOLEMEMORY.md).
+- DEVICE: GPU memory of the host's ranks mapped by every local process as one CUDA tensor
+  (device.py). CHUNKED goes in CUDA memory too, and HOST becomes a CUDA view of the host copy,
+  where the process has a CUDA device (or ``device=`` names one).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+
+from . import device as device_mod
 
 __all__ = ["WmTensorType", "ChunkedTensor", "DistributedTensor", "NCCLTensor", "create_wm_tensor",
            "get_tensor_view", "local_partition", "init_lib", "finalize_lib", "get_partition_plan",
@@ -79,12 +83,15 @@ class _Meta:
     whole group for DISTRIBUTED) and this rank's index among them."""
 
     __slots__ = ("kind", "group", "shape", "stride", "dtype", "members", "index", "parts", "host", "hosts",
-                 "__weakref__")
+                 "region", "host_tensor", "view", "view_device", "__weakref__")
 
     def __init__(self, kind, group, shape, stride, dtype, members, index, host, hosts):
         self.kind, self.group, self.shape, self.stride, self.dtype = kind, group, shape, stride, dtype
         self.members, self.index, self.host, self.hosts = members, index, host, hosts
         self.parts = split_rows(shape[0], len(members))
+        self.region = None  # the mapped CUDA memory (DEVICE, CUDA CHUNKED)
+        self.host_tensor = None  # the host copy behind a HOST tensor's CUDA view
+        self.view, self.view_device = None, None  # that view (a weak reference) and its device
 
     @property
     def rows(self) -> int:
@@ -95,20 +102,27 @@ class _Meta:
         return self.stride[0]
 
 
-_BY_STORAGE: dict[int, _Meta] = {}  # storage data_ptr -> meta, for the HOST kind's plain tensors
+_BY_STORAGE: dict[int, _Meta] = {}  # storage data_ptr -> meta, for the plain tensors (HOST, DEVICE)
 
 
-def _track(t: torch.Tensor, meta: _Meta) -> None:
-    key = t.untyped_storage().data_ptr()
-    _BY_STORAGE[key] = meta
-    weakref.finalize(t, _BY_STORAGE.pop, key, None)
+def _untrack(keys) -> None:
+    for key in keys:
+        _BY_STORAGE.pop(key, None)
+
+
+def _track(t: torch.Tensor, meta: _Meta, *also: torch.Tensor) -> None:
+    """``t`` (and tensors over the same memory, ``also``) names ``meta`` until ``t`` goes."""
+    keys = [x.untyped_storage().data_ptr() for x in (t,) + also]
+    for key in keys:
+        _BY_STORAGE[key] = meta
+    weakref.finalize(t, _untrack, keys)
 
 
 def meta_of(t, op: str) -> _Meta:
     if isinstance(t, (ChunkedTensor, DistributedTensor)):
         return t._meta
     if isinstance(t, torch.Tensor):
-        m = _BY_STORAGE.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+        m = _BY_STORAGE.get(t.untyped_storage().data_ptr())
         if m is not None:
             return m
     fail(op, None, f"expected a whole-memory tensor (from create_wm_tensor), got {type(t).__name__}", TypeError)
@@ -177,6 +191,10 @@ class ChunkedTensor(_Sharded):
 
     def get_local_tensor(self) -> torch.Tensor:
         return self.get_all_chunked_tensor()[self._meta.index]
+
+    @property
+    def device(self) -> torch.device:
+        return self._chunks[0].device
 
 
 class DistributedTensor(_Sharded):
@@ -274,7 +292,15 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
     if tensor_dtype not in _DTYPES:
         fail(op, group, f"dtype {tensor_dtype} is not supported (one of {', '.join(str(d) for d in _DTYPES)})")
     shape, stride = _check_layout(op, group, sizes, strides)
-    _agree(op, group, (kind.value, shape, stride, str(tensor_dtype)))
+    cuda = None  # the CUDA device of a mapped kind's memory or view, None for host memory
+    if kind is not WmTensorType.DISTRIBUTED:
+        error = None
+        try:
+            cuda = device_mod.resolve_device(op, group, device, kind is WmTensorType.DEVICE, f"a {kind.name} tensor")
+        except (ValueError, NotImplementedError) as e:
+            error = e
+        agree_on_error(op, group, error, "rank {rank} cannot place this tensor (its error says why)")
+    _agree(op, group, (kind.value, shape, stride, str(tensor_dtype), "host" if cuda is None else "cuda"))
     storage_rows = shape[0] * stride[0]
     if kind is WmTensorType.DISTRIBUTED:
         n, me = dist.get_world_size(group), dist.get_rank(group)
@@ -291,20 +317,28 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
     if kind in (WmTensorType.DEVICE, WmTensorType.CHUNKED) and hosts > 1:
         fail(op, group, f"{kind.name} memory is mapped by the ranks of one host and this group spans {hosts} "
              "hosts; use WmTensorType.DISTRIBUTED (one part per rank, any host) or HOST (one copy per host)")
-    if kind is WmTensorType.DEVICE:
-        fail(op, group, "DEVICE memory (GPU memory mapped by every local process) is not available in this "
-             "build: it needs CUDA virtual memory, which is not implemented yet; use HOST, CHUNKED or DISTRIBUTED",
-             NotImplementedError)
-    if device is not None and torch.device(device).type != "cpu":
-        fail(op, group, f"{kind.name} memory on {device} is not available in this build (host memory only); "
-             "use DISTRIBUTED for tensors on CUDA devices", NotImplementedError)
     meta = _Meta(kind, group, shape, stride, tensor_dtype, members, index, host, hosts)
     if kind is WmTensorType.HOST:
         flat = be.shared_tensor([storage_rows], tensor_dtype)
         t = flat.as_strided(shape, stride)
+        if cuda is None:
+            _track(t, meta)
+            return t
+        return _host_view(meta, t, cuda)  # as WholeMemory: the device's zero-copy view
+    if cuda is None:
+        return ChunkedTensor(meta, _parts_in_shared_memory(be, meta))
+    gran = device_mod.granularity(cuda)
+    if kind is WmTensorType.DEVICE:
+        sizes = device_mod.device_pages(storage_rows * tensor_dtype.itemsize, gran, len(members))
+        meta.region = device_mod.map_region(op, group, members, index, cuda, sizes, contiguous=True)
+        t = meta.region.view(-1, 0, list(shape), list(stride), tensor_dtype, cuda)
         _track(t, meta)
         return t
-    return ChunkedTensor(meta, _parts_in_shared_memory(be, meta))
+    meta.region = device_mod.map_region(op, group, members, index, cuda, device_mod.chunk_bytes(meta, gran),
+                                        contiguous=False)
+    chunks = [meta.region.view(i, 0, [max(count * stride[0], 1)], [1], tensor_dtype, cuda)
+              for i, (_, count) in enumerate(meta.parts)]
+    return ChunkedTensor(meta, chunks)
 
 
 def _parts_in_shared_memory(be, meta: _Meta) -> list[torch.Tensor]:
@@ -348,7 +382,7 @@ def _agree(op, group, what) -> None:
     dist.all_gather_object(got, what, group=group)
     for r, other in enumerate(got):
         if other != what:
-            names = ("kind", "shape", "stride", "dtype")
+            names = ("kind", "shape", "stride", "dtype", "memory (host or CUDA device)")
             diff = next(i for i in range(len(what)) if other[i] != what[i])
             mine, theirs = what[diff], other[diff]
             if diff == 0:
@@ -379,20 +413,42 @@ def get_wm_tensor_type(t) -> WmTensorType:
 def is_wm_tensor(t) -> bool:
     if isinstance(t, (ChunkedTensor, DistributedTensor)):
         return True
-    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() in _BY_STORAGE
+    return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in _BY_STORAGE
 
 
 def get_tensor_view(t, device):
-    """The tensor as seen from ``device``: the CPU view of a HOST tensor (without CUDA, the tensor
-    itself, which is already on the CPU)."""
-    m = meta_of(t, "get_tensor_view")
-    device = torch.device(device)
-    if m.kind is not WmTensorType.HOST:
-        fail("get_tensor_view", m.group, f"{m.kind.name} tensors have no single view; use gather / scatter "
-             "or local_partition")
+    """The tensor as seen from ``device``: a HOST tensor's host copy ("cpu") or its view from this
+    process's CUDA device; a DEVICE tensor from any local device (that device is given access)."""
+    op = "get_tensor_view"
+    m = meta_of(t, op)
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if m.kind not in (WmTensorType.HOST, WmTensorType.DEVICE):
+        fail(op, m.group, f"{m.kind.name} tensors have no single view; use gather / scatter or local_partition")
+    if m.kind is WmTensorType.DEVICE:
+        if device.type != "cuda":
+            fail(op, m.group, f"a DEVICE tensor is GPU memory: it has no view on {device}")
+        index = device.index if device.index is not None else device_mod.current_device()
+        view = m.region.view(-1, 0, list(m.shape), list(m.stride), m.dtype, index)
+        _track(view, m)
+        return view
     if device.type == "cpu":
-        return t
-    fail("get_tensor_view", m.group, f"no view of a HOST tensor on {device}: this process has no CUDA mapping of it")
+        return m.host_tensor if m.host_tensor is not None else t
+    index = device.index if device.index is not None else device_mod.current_device()
+    view = m.view() if m.view is not None else None
+    if view is not None:
+        if index != m.view_device:
+            fail(op, m.group, f"this HOST tensor is registered for cuda:{m.view_device}; no view of it from {device}")
+        return view
+    cuda = device_mod.resolve_device(op, m.group, device, required=True)
+    return _host_view(m, t, cuda)
+
+
+def _host_view(m: _Meta, host: torch.Tensor, cuda: int) -> torch.Tensor:
+    """The CUDA view of a HOST tensor's host copy, which then names the tensor too."""
+    view = device_mod.host_view(host, cuda)
+    m.host_tensor, m.view, m.view_device = host, weakref.ref(view), cuda
+    _track(view, m, host)
+    return view
 
 
 def init_lib() -> None:
