@@ -107,13 +107,16 @@ def body_device(ctx, mode, rows, dim):
     view = wm.get_tensor_view(t, f"cuda:{other}")
     if not torch.equal(view.cpu(), t.cpu()):
         bad.append("the view from another device differs")
+    del view
+    if not wm.is_wm_tensor(t):  # a view at the same address went: the tensor is still known
+        bad.append("the tensor was forgotten when a view of it went")
     try:
         wm.get_tensor_view(t, "cpu")
         bad.append("a CPU view of DEVICE memory was given")
     except ValueError:
         pass
     mapped = _counters(mode).get("mem_mapped", 0) - before.get("mem_mapped", 0)
-    del t, view
+    del t
     gc.collect()
     dist.barrier()
     after = _counters(mode)

@@ -102,19 +102,28 @@ class _Meta:
         return self.stride[0]
 
 
-_BY_STORAGE: dict[int, _Meta] = {}  # storage data_ptr -> meta, for the plain tensors (HOST, DEVICE)
+# storage data_ptr -> [meta, how many tracked tensors name it], for the plain tensors (HOST,
+# DEVICE). Counted: views of one memory (a DEVICE tensor seen from two devices, a HOST tensor and
+# its CUDA view) may share an address, and the memory stays known while any of them lives.
+_BY_STORAGE: dict[int, list] = {}
 
 
 def _untrack(keys) -> None:
     for key in keys:
-        _BY_STORAGE.pop(key, None)
+        entry = _BY_STORAGE.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _BY_STORAGE[key]
 
 
 def _track(t: torch.Tensor, meta: _Meta, *also: torch.Tensor) -> None:
     """``t`` (and tensors over the same memory, ``also``) names ``meta`` until ``t`` goes."""
     keys = [x.untyped_storage().data_ptr() for x in (t,) + also]
     for key in keys:
-        _BY_STORAGE[key] = meta
+        entry = _BY_STORAGE.setdefault(key, [meta, 0])
+        entry[0] = meta
+        entry[1] += 1
     weakref.finalize(t, _untrack, keys)
 
 
@@ -122,9 +131,9 @@ def meta_of(t, op: str) -> _Meta:
     if isinstance(t, (ChunkedTensor, DistributedTensor)):
         return t._meta
     if isinstance(t, torch.Tensor):
-        m = _BY_STORAGE.get(t.untyped_storage().data_ptr())
-        if m is not None:
-            return m
+        entry = _BY_STORAGE.get(t.untyped_storage().data_ptr())
+        if entry is not None:
+            return entry[0]
     fail(op, None, f"expected a whole-memory tensor (from create_wm_tensor), got {type(t).__name__}", TypeError)
 
 
