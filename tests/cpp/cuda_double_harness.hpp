@@ -27,20 +27,13 @@
 #include <sstream>
 #include <thread>
 
+#include "expect.hpp"
 #include "myccl/cuda/double/CudaDouble.hpp"
 
 using namespace myccl::cuda;
 namespace td = myccl::cuda::testdouble;
 using R = NcclResult;
 
-#define EXPECT(cond, ...)                                                                          \
-  do {                                                                                            \
-    if (!(cond)) {                                                                                \
-      std::ostringstream os_;                                                                     \
-      os_ << __FILE__ << ":" << __LINE__ << ": EXPECT(" #cond ") failed: " << __VA_ARGS__;        \
-      throw std::runtime_error(os_.str());                                                        \
-    }                                                                                             \
-  } while (0)
 #define OK(expr)                                                                          \
   do {                                                                                    \
     const R r_ = (expr);                                                                  \

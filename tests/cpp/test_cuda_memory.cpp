@@ -14,20 +14,13 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "expect.hpp"
 #include "myccl/cuda/SharedRegion.hpp"
 #include "myccl/cuda/double/CudaDouble.hpp"
 
 using namespace myccl::cuda;
 namespace td = myccl::cuda::testdouble;
 
-#define EXPECT(cond, ...)                                                                   \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      std::ostringstream os_;                                                              \
-      os_ << __FILE__ << ":" << __LINE__ << ": EXPECT(" #cond ") failed: " << __VA_ARGS__; \
-      throw std::runtime_error(os_.str());                                                 \
-    }                                                                                      \
-  } while (0)
 
 namespace {
 

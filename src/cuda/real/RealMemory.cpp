@@ -21,20 +21,26 @@ namespace {
 #define MYCCL_STR2(x) #x
 #define MYCCL_STR(x) MYCCL_STR2(x)  // the name after cuda.h's macros (some calls are _v2)
 
+// The driver calls used, as (member, name): the struct's members and their loading come from it.
+#define MYCCL_DRIVER_CALLS(X)                                   \
+  X(getErrorString, cuGetErrorString)                           \
+  X(deviceGet, cuDeviceGet)                                     \
+  X(deviceGetAttribute, cuDeviceGetAttribute)                   \
+  X(granularity, cuMemGetAllocationGranularity)                 \
+  X(create, cuMemCreate)                                        \
+  X(exportHandle, cuMemExportToShareableHandle)                 \
+  X(importHandle, cuMemImportFromShareableHandle)               \
+  X(release, cuMemRelease)                                      \
+  X(reserve, cuMemAddressReserve)                               \
+  X(unreserve, cuMemAddressFree)                                \
+  X(map, cuMemMap)                                              \
+  X(unmap, cuMemUnmap)                                          \
+  X(setAccess, cuMemSetAccess)
+
 struct Driver {
-  decltype(&::cuGetErrorString) getErrorString = nullptr;
-  decltype(&::cuDeviceGet) deviceGet = nullptr;
-  decltype(&::cuDeviceGetAttribute) deviceGetAttribute = nullptr;
-  decltype(&::cuMemGetAllocationGranularity) granularity = nullptr;
-  decltype(&::cuMemCreate) create = nullptr;
-  decltype(&::cuMemExportToShareableHandle) exportHandle = nullptr;
-  decltype(&::cuMemImportFromShareableHandle) importHandle = nullptr;
-  decltype(&::cuMemRelease) release = nullptr;
-  decltype(&::cuMemAddressReserve) reserve = nullptr;
-  decltype(&::cuMemAddressFree) unreserve = nullptr;
-  decltype(&::cuMemMap) map = nullptr;
-  decltype(&::cuMemUnmap) unmap = nullptr;
-  decltype(&::cuMemSetAccess) setAccess = nullptr;
+#define MYCCL_DECLARE(member, fn) decltype(&::fn) member = nullptr;
+  MYCCL_DRIVER_CALLS(MYCCL_DECLARE)
+#undef MYCCL_DECLARE
   std::string missing;  // why the driver could not be used, "" when it can
 };
 
@@ -50,19 +56,9 @@ const Driver& driver() {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
       if (!fn && d.missing.empty()) d.missing = std::string("the CUDA driver has no ") + name;
     };
-    load(d.getErrorString, MYCCL_STR(cuGetErrorString));
-    load(d.deviceGet, MYCCL_STR(cuDeviceGet));
-    load(d.deviceGetAttribute, MYCCL_STR(cuDeviceGetAttribute));
-    load(d.granularity, MYCCL_STR(cuMemGetAllocationGranularity));
-    load(d.create, MYCCL_STR(cuMemCreate));
-    load(d.exportHandle, MYCCL_STR(cuMemExportToShareableHandle));
-    load(d.importHandle, MYCCL_STR(cuMemImportFromShareableHandle));
-    load(d.release, MYCCL_STR(cuMemRelease));
-    load(d.reserve, MYCCL_STR(cuMemAddressReserve));
-    load(d.unreserve, MYCCL_STR(cuMemAddressFree));
-    load(d.map, MYCCL_STR(cuMemMap));
-    load(d.unmap, MYCCL_STR(cuMemUnmap));
-    load(d.setAccess, MYCCL_STR(cuMemSetAccess));
+#define MYCCL_LOAD(member, fn) load(d.member, MYCCL_STR(fn));
+    MYCCL_DRIVER_CALLS(MYCCL_LOAD)
+#undef MYCCL_LOAD
     return d;
   }();
   return d;
