@@ -43,6 +43,14 @@ def _counters(mode):
     return cuda_double.counters()
 
 
+def _quiesce() -> None:
+    """Waits until memory given up so far is released (it is, off the dropping thread, after a
+    device synchronisation)."""
+    from c10d_ext import _C
+
+    _C._cuda_memory_quiesce()
+
+
 def _memory_fds() -> int:
     n = 0
     for fd in os.listdir("/proc/self/fd"):
@@ -118,6 +126,7 @@ def body_device(ctx, mode, rows, dim):
     mapped = _counters(mode).get("mem_mapped", 0) - before.get("mem_mapped", 0)
     del t
     gc.collect()
+    _quiesce()
     dist.barrier()
     after = _counters(mode)
     left = {k: after.get(k, 0) - before.get(k, 0) for k in ("mem_mapped", "mem_handles")}
@@ -199,6 +208,7 @@ def body_host_view(ctx, mode):
         bad.append("device='cpu' still made a device view")
     del t, host, explicit
     gc.collect()
+    _quiesce()
     left = _counters(mode).get("host_registered", 0) - before
     return bad, registered, left
 
@@ -271,6 +281,7 @@ def body_kill(ctx):
         os.kill(os.getpid(), signal.SIGKILL)
     del held
     gc.collect()
+    _quiesce()
     c = _counters("double")
     left = (c.get("mem_mapped", 0), c.get("mem_handles", 0), c.get("host_registered", 0), _memory_fds())
     return mapped, left, [p for p in glob.glob("/dev/shm/myccl-*") if p.split("-")[1] in pids]

@@ -4,6 +4,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <condition_variable>
+#include <deque>
+#include <thread>
+
 namespace myccl::cuda {
 
 namespace {
@@ -24,31 +28,104 @@ SharedRegion::SharedRegion(std::shared_ptr<Memory> memory, int device, size_t by
   }
 }
 
-SharedRegion::~SharedRegion() {
-  // Never throws: a failure here can only leak address space or a handle, reported by the double.
-  for (auto& r : ranges_) {
-    for (auto& [va, n] : r.mapped) {
+namespace {
+
+// One thread per process that gives shared memory back, in order; never destroyed (a release
+// still queued at exit is the driver's to finish).
+class Releaser {
+ public:
+  static Releaser& get() {
+    static Releaser* r = new Releaser();
+    return *r;
+  }
+  void add(std::function<void()> job) {
+    std::lock_guard<std::mutex> lk(mu_);
+    jobs_.push_back(std::move(job));
+    ++pending_;
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { loop(); }).detach();
+    }
+    cv_.notify_all();
+  }
+  void drain() {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return pending_ == 0; });
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return !jobs_.empty(); });
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
       try {
-        mem_->unmap(va, n);
+        job();
+      } catch (const std::exception&) {  // a failed release leaks address space or a handle; the double reports it
+      }
+      std::lock_guard<std::mutex> lk(mu_);
+      --pending_;
+      cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  size_t pending_ = 0;
+  bool started_ = false;
+};
+
+}  // namespace
+
+void releaseLater(std::shared_ptr<Memory> memory, int device, std::function<void()> release) {
+  Releaser::get().add([memory = std::move(memory), device, release = std::move(release)] {
+    try {
+      memory->synchronize(device);  // kernels queued on the memory before its last tensor went
+    } catch (const std::exception&) {
+    }
+    release();
+  });
+}
+
+void quiesceSharedMemory() {
+  Releaser::get().drain();
+}
+
+SharedRegion::~SharedRegion() {
+  auto ranges = std::move(ranges_);
+  const bool mapped = !ranges.empty();
+  auto handles = std::move(imported_);
+  if (haveOwn_) handles.push_back(own_);
+  auto mem = mem_;
+  auto release = [mem, ranges = std::move(ranges), handles = std::move(handles)] {
+    // Each step alone: one that fails must not keep the others from giving back what they can.
+    for (auto& r : ranges) {
+      for (auto& [va, n] : r.mapped) {
+        try {
+          mem->unmap(va, n);
+        } catch (const std::exception&) {
+        }
+      }
+      try {
+        mem->unreserve(r.va, r.bytes);
       } catch (const std::exception&) {
       }
     }
-    try {
-      mem_->unreserve(r.va, r.bytes);
-    } catch (const std::exception&) {
+    for (MemHandle h : handles) {
+      try {
+        mem->release(h);
+      } catch (const std::exception&) {
+      }
     }
-  }
-  for (MemHandle h : imported_) {
-    try {
-      mem_->release(h);
-    } catch (const std::exception&) {
-    }
-  }
-  if (haveOwn_) {
-    try {
-      mem_->release(own_);
-    } catch (const std::exception&) {
-    }
+  };
+  if (!mapped) {  // nothing mapped: no kernel can use it, give the handles back now
+    release();
+  } else {
+    releaseLater(mem_, device_, std::move(release));
   }
 }
 

@@ -54,13 +54,18 @@ void bindMemory(py::module& m) {
         void* dbase = mem->hostRegister(base, storage.nbytes());
         const int64_t offset = host.storage_offset() * static_cast<int64_t>(host.element_size());
         return mem->tensorAt(static_cast<char*>(dbase) + offset, host.sizes(), host.strides(), host.scalar_type(),
-                             device, [mem, base, keep = host]() mutable {
-                               try {
-                                 mem->hostUnregister(base);
-                               } catch (const std::exception&) {
-                               }
-                               keep = at::Tensor();
+                             device, [mem, base, device, keep = host]() mutable {
+                               // after the kernels still queued on the view, off this thread
+                               myccl::cuda::releaseLater(mem, device, [mem, base, keep]() mutable {
+                                 try {
+                                   mem->hostUnregister(base);
+                                 } catch (const std::exception&) {
+                                 }
+                                 keep = at::Tensor();
+                               });
                              });
       },
       py::arg("host"), py::arg("device"));
+  // Waits until shared device memory and registrations given up so far are released.
+  m.def("_cuda_memory_quiesce", &myccl::cuda::quiesceSharedMemory, py::call_guard<py::gil_scoped_release>());
 }

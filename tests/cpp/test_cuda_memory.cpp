@@ -98,6 +98,8 @@ void contiguousRegionIsShared() {
     EXPECT(other[3].item<float>() == 3.0f, "view from cuda:0");
     EXPECT(throws([&] { procs[0]->view(-1, 0, {n + 1}, {1}, at::kFloat, 0); }, "does not fit"), "oversized view");
   }
+  quiesceSharedMemory();  // released on the releaser thread, after a device synchronisation
+  EXPECT(counter(*m, "mem_synchronize") == 3, "synchronised before unmapping: " << counter(*m, "mem_synchronize"));
   EXPECT(counter(*m, "mem_mapped") == 0 && counter(*m, "mem_handles") == 0, "left mapped/held");
   EXPECT(memoryFds() == fdsBefore, "descriptors left: " << memoryFds() - fdsBefore);
   EXPECT(td::violations(*m).empty(), joined(td::violations(*m)));
@@ -120,6 +122,7 @@ void chunkedRegionHasOneRangePerPart() {
     EXPECT(throws([&] { a->view(-1, 0, {16}, {1}, at::kFloat, 0); }, "contiguous"), "whole view of chunks");
     EXPECT(throws([&] { a->map(fds, sizes, 0, false); }, "already"), "second map");
   }
+  quiesceSharedMemory();
   EXPECT(counter(*m, "mem_mapped") == 0 && counter(*m, "mem_handles") == 0, "left mapped/held");
   EXPECT(td::violations(*m).empty(), joined(td::violations(*m)));
 }
@@ -139,6 +142,7 @@ void tensorKeepsRegion() {
   EXPECT(t.sum().item<int64_t>() == 40, "usable after the region object went");
   EXPECT(counter(*m, "mem_mapped") == 1, "still mapped");
   t = at::Tensor();
+  quiesceSharedMemory();
   EXPECT(counter(*m, "mem_mapped") == 0 && counter(*m, "mem_handles") == 0, "freed with its tensor");
 }
 
@@ -209,6 +213,7 @@ int useAfterUnmapChild() {
     p = t.data_ptr<float>();
     p[0] = 1.0f;
   }
+  quiesceSharedMemory();
   volatile float x = p[0];  // after the last tensor went: unmapped
   std::printf("still alive: %f\n", static_cast<double>(x));
   return 0;

@@ -55,6 +55,10 @@ class Memory {
   virtual void map(uintptr_t va, size_t bytes, MemHandle h) = 0;
   virtual void setAccess(uintptr_t va, size_t bytes, int device) = 0;
   virtual void unmap(uintptr_t va, size_t bytes) = 0;
+  // Blocks until every stream of `device` has run what it holds (cudaDeviceSynchronize): memory is
+  // unmapped or unregistered only once no kernel queued before can still touch it (a tensor's
+  // deleter runs when the last reference goes, not when the last kernel using it has run).
+  virtual void synchronize(int device) = 0;
 
   // Host memory [p, p + bytes) becomes usable by every device's kernels (cudaHostRegister,
   // portable and mapped); returns the address devices use for it (cudaHostGetDevicePointer).

@@ -4,11 +4,14 @@
 // contiguous tensor, DEVICE) or each part into a range of its own (one tensor per part, CHUNKED).
 // Passing the descriptors between processes is the caller's (c10d_ext/wholememory/device.py:
 // SCM_RIGHTS over a Unix socket). The memory goes when the last process drops its last tensor:
-// every tensor keeps its region, and a region releases its handles and mappings when it goes.
+// every tensor keeps its region, and a region releases its handles and mappings when it goes:
+// on a thread of its own, after synchronising the device (the last tensor's deleter may run on
+// any thread, an engine's watchdog included, while kernels queued on the memory still run).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -62,5 +65,11 @@ class SharedRegion : public std::enable_shared_from_this<SharedRegion> {
   std::vector<int> partRange_;     // part -> index into ranges_, -1 for a part with no pages
   std::set<int> granted_;
 };
+
+// Runs `release` on the shared-memory releaser thread, after synchronising `device` through
+// `memory`: how a region's mappings and a registered host range are given back.
+void releaseLater(std::shared_ptr<Memory> memory, int device, std::function<void()> release);
+// Blocks until every release handed over so far has run (tests, and before reporting leaks).
+void quiesceSharedMemory();
 
 }  // namespace myccl::cuda

@@ -208,6 +208,12 @@ class DoubleMemory final : public Memory {
     m_->count("mem_mapped", -1);
   }
 
+  void synchronize(int device) override {
+    m_->checkIndex(device, "cudaDeviceSynchronize");
+    testdouble::synchronize(*m_);  // every stream of the machine: ops on these tensors run on them
+    m_->count("mem_synchronize");
+  }
+
   void* hostRegister(void* p, size_t bytes) override {
     std::lock_guard<std::mutex> lk(mu_);
     const auto a = reinterpret_cast<uintptr_t>(p);

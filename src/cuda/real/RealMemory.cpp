@@ -181,6 +181,11 @@ class RealMemory final : public Memory {
     check(ready().unmap(static_cast<CUdeviceptr>(va), bytes), "cuMemUnmap");
   }
 
+  void synchronize(int device) override {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
   void* hostRegister(void* p, size_t bytes) override {
     C10_CUDA_CHECK(cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
     void* dp = nullptr;
