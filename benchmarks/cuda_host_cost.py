@@ -1,0 +1,348 @@
+"""The CUDA engine's host cost per op, without a GPU: what myccl's own code costs the host.
+
+Every op kind at 8 bytes, synchronous and asynchronous, runs on the strict CUDA double with its
+stream delays at zero (MYCCL_TEST_CUDA_DOUBLE_DELAY_US=0): the double stands for CUDA and NCCL.
+At the default world size of 1 its NCCL moves nothing between processes (ops on one rank are
+local copies; batch_isend_irecv sends to itself), so the time left is the engine's launch path,
+its Work and its completion. At 2 ranks and more the double's NCCL carries bytes through the
+store, whose round trips then dominate the times (the allocation counts stay the engine's).
+For each op:
+
+- ``sync us``: one op with async_op=False, issue to completion (median over rounds);
+- ``issue us``: an async op's issue alone (16 issued back to back, then waited for);
+- ``async us``: the same 16 per op, issue to the last completion;
+- ``allocs``: heap allocations on the issuing thread per op (sync / async), counted by a
+  preloaded wrapper of glibc's allocator (benchmarks/alloc_count.c, built here with cc). They
+  include torch's own per-op allocations above the backend, the same in every build.
+
+``--trace`` also records the call stack of every allocation on the issuing thread during 32
+synchronous ops of each kind and prints, per op, the functions that allocate (the first frame
+outside the allocator and the C++ runtime, resolved with addr2line) and how often per op: where
+the allocations of the launch path come from.
+
+``--before REV`` measures the tree at git revision REV too, in the same run (a worktree under
+bench_out/, built once with MYCCL_BUILD_TESTS=1), and adds after/before ratios: the figures of
+a change to the launch path, before and after, from one run on one machine.
+
+    python benchmarks/cuda_host_cost.py
+    python benchmarks/cuda_host_cost.py --before main~3 --rounds 7
+
+Needs a build with the test double (MYCCL_BUILD_TESTS=1, what scripts/setup.sh makes). Prints a
+table and writes JSON (--out). Compare the columns of one run: this VM is noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ranks import run_ranks  # noqa: E402
+
+OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
+       "batch_isend_irecv"]
+ASYNC_BATCH = 16
+
+
+def _shim(out_dir: str) -> str | None:
+    """benchmarks/alloc_count.c built into out_dir (None without a C compiler)."""
+    src = os.path.join(ROOT, "benchmarks", "alloc_count.c")
+    lib = os.path.join(out_dir, "alloc_count.so")
+    if os.path.exists(lib) and os.path.getmtime(lib) >= os.path.getmtime(src):
+        return lib
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", lib, src], check=True)
+    return lib
+
+
+def _before_tree(rev: str, out_dir: str) -> str:
+    """A worktree of `rev` with its extension and test double built in place (once)."""
+    sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    tree = os.path.join(out_dir, f"before-{sha}")
+    if not os.path.isdir(os.path.join(tree, "c10d_ext")):
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, sha], check=True)
+    built = [f for f in os.listdir(os.path.join(tree, "c10d_ext")) if f.startswith("_test_double") and f.endswith(".so")]
+    if not built:
+        print(f"building {rev} ({sha}) in {tree} (once; several minutes)", flush=True)
+        env = dict(os.environ, MYCCL_BUILD_TESTS="1", MAX_JOBS=str(os.cpu_count() or 2))
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, env=env, check=True)
+    return tree
+
+
+def _tensors(torch, op: str, rank: int, world: int):
+    """(input, output) of 8 bytes per rank (two float32)."""
+    t = torch.full((2,), float(rank + 1))
+    if op == "all_gather":
+        return t, torch.empty(2 * world)
+    if op == "reduce_scatter":
+        return torch.ones(2 * world), torch.empty(2)
+    if op == "all_to_all":
+        return torch.ones(2 * world), torch.empty(2 * world)
+    return t, torch.empty(2)
+
+
+def _issue(dist, op: str, inp, out, rank: int, world: int, async_op: bool):
+    """One op; returns its Work (or a list of Works) when async."""
+    if op == "all_reduce":
+        return dist.all_reduce(inp, async_op=async_op)
+    if op == "broadcast":
+        return dist.broadcast(inp, 0, async_op=async_op)
+    if op == "reduce":
+        return dist.reduce(inp, 0, async_op=async_op)
+    if op == "all_gather":
+        return dist.all_gather_into_tensor(out, inp, async_op=async_op)
+    if op == "reduce_scatter":
+        return dist.reduce_scatter_tensor(out, inp, async_op=async_op)
+    if op == "all_to_all":
+        return dist.all_to_all_single(out, inp, async_op=async_op)
+    peer = rank ^ 1 if world > 1 else rank
+    if op == "send_recv":  # even ranks send, odd ranks receive (not on one rank: a self-send
+        if peer >= world or peer == rank:  # outside a group hangs, as in NCCL)
+            return None
+        if rank % 2 == 0:
+            w = dist.isend(inp, peer)
+        else:
+            w = dist.irecv(out, peer)
+        if not async_op:
+            w.wait()
+            return None
+        return w
+    if op == "batch_isend_irecv":
+        if peer >= world:
+            return None
+        ws = dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, peer), dist.P2POp(dist.irecv, out, peer)])
+        if not async_op:
+            for w in ws:
+                w.wait()
+            return None
+        return ws
+    raise ValueError(op)
+
+
+def _wait(work) -> None:
+    if work is None:
+        return
+    for w in work if isinstance(work, list) else [work]:
+        w.wait()
+
+
+_RUNTIME = ("libc.so", "libstdc++", "alloc_count.so", "libgcc_s", "ld-linux")
+
+
+def _owner(stack, maps) -> str:
+    """Whose code asked: the first c10d_ext module on the stack from the allocation up."""
+    for addr in stack[1:]:
+        path = next((p for lo, hi, p in maps if lo <= addr < hi), "")
+        if "/c10d_ext/_test_double" in path:
+            return "double"
+        if "/c10d_ext/_C" in path:
+            return "myccl"
+    return "above"
+
+
+def _resolve(stacks: list[list[int]]) -> tuple[list[str], list[str]]:
+    """For each stack: the first frame outside the allocator and the C++ runtime, as a function
+    name (addr2line on the mapped file; '?' when unknown), and whose code asked (_owner)."""
+    maps = []  # (start, end, path, base)
+    bases: dict[str, int] = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 6 or not parts[5].startswith("/"):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            path = parts[5]
+            bases[path] = min(bases.get(path, lo), lo)
+            maps.append((lo, hi, path))
+    picks = []
+    for stack in stacks:
+        pick = None
+        for addr in stack[1:]:  # frame 0 is the shim's own count()
+            where = next(((path, addr - bases[path]) for lo, hi, path in maps if lo <= addr < hi), None)
+            if where is None:
+                continue
+            if not any(r in where[0] for r in _RUNTIME):
+                pick = where
+                break
+        picks.append(pick)
+    names: dict[tuple, str] = {}
+    by_file: dict[str, set] = {}
+    for p in picks:
+        if p:
+            by_file.setdefault(p[0], set()).add(p[1])
+    for path, offs in by_file.items():
+        offs = sorted(offs)
+        try:
+            out = subprocess.run(["addr2line", "-f", "-C", "-e", path] + [hex(o - 1) for o in offs],
+                                 capture_output=True, text=True, timeout=120).stdout.split("\n")
+        except (OSError, subprocess.TimeoutExpired):
+            out = []
+        for i, o in enumerate(offs):
+            fn = out[2 * i] if 2 * i < len(out) else "?"
+            names[(path, o)] = f"{os.path.basename(path)}: {fn[:110]}"
+    return [names.get(p, "?") if p else "?" for p in picks], [_owner(s, maps) for s in stacks]
+
+
+def _trace(dist, lib, op, inp, out, rank, world, n: int = 32) -> dict:
+    """Per op of n synchronous ones: allocations by whose code asked (myccl, the double, torch
+    and Python above the backend) and, for myccl's, by the function that asked, most first."""
+    import collections
+    import ctypes
+    import tempfile
+
+    path = tempfile.mktemp(prefix="myccl-alloc-trace-")
+    lib.myccl_trace_allocations(1)
+    for _ in range(n):
+        _issue(dist, op, inp, out, rank, world, False)
+    lib.myccl_trace_dump(ctypes.c_char_p(path.encode()))
+    with open(path) as f:
+        stacks = [[int(x, 16) for x in line.split()] for line in f if line.strip()]
+    os.unlink(path)
+    names, owners = _resolve(stacks)
+    by_owner = collections.Counter(owners)
+    mine = collections.Counter(fn for fn, o in zip(names, owners) if o == "myccl")
+    return {"by_owner": {k: v / n for k, v in by_owner.items()},
+            "myccl": [(fn, c / n) for fn, c in mine.most_common(20)]}
+
+
+def _rank(rank: int, world: int, port: int, args: dict, queue) -> None:
+    os.environ.update(args["env"])
+    sys.path.insert(0, args["tree"])
+    import torch
+    import torch.distributed as dist
+
+    import c10d_ext
+    from c10d_ext import _C, _test_double
+
+    assert os.path.dirname(os.path.dirname(os.path.abspath(c10d_ext.__file__))) == os.path.abspath(args["tree"]), \
+        f"imported c10d_ext from {c10d_ext.__file__}, expected the tree {args['tree']}"
+    torch.set_num_threads(1)
+    capsule = _test_double.configure(2, 100 + rank, 0, 64 * 1024, 20000, 90, 100)  # delays at zero
+    _C._install_test_runtime(capsule)
+    counted = lib = None
+    if args["shim"]:
+        import ctypes
+
+        lib = ctypes.CDLL(args["shim"])
+        counted = lib.myccl_thread_allocations
+        counted.restype = ctypes.c_ulonglong
+    dist.init_process_group("myccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _test_double.set_device(rank % 2)
+    n, rounds = args["reps"], args["rounds"]
+    allocs = counted if counted is not None else (lambda: 0)
+    results = {}
+    for op in OPS:
+        if op == "send_recv" and world == 1:
+            continue
+        inp, out = _tensors(torch, op, rank, world)
+        for _ in range(20):  # warm up: communicators, staging, caches
+            _wait(_issue(dist, op, inp, out, rank, world, True))
+        sync_t, issue_t, async_t, sync_a, async_a = [], [], [], [], []
+        for _ in range(rounds):
+            dist.barrier()
+            a0, t0 = allocs(), time.perf_counter()
+            for _ in range(n):
+                _issue(dist, op, inp, out, rank, world, False)
+            sync_t.append((time.perf_counter() - t0) / n)
+            sync_a.append((allocs() - a0) / n)
+            dist.barrier()
+            batches = max(1, n // ASYNC_BATCH)
+            issue = total = 0.0
+            a0 = allocs()
+            for _ in range(batches):
+                t0 = time.perf_counter()
+                works = [_issue(dist, op, inp, out, rank, world, True) for _ in range(ASYNC_BATCH)]
+                t1 = time.perf_counter()
+                for w in works:
+                    _wait(w)
+                issue += t1 - t0
+                total += time.perf_counter() - t0
+            async_a.append((allocs() - a0) / (batches * ASYNC_BATCH))
+            issue_t.append(issue / (batches * ASYNC_BATCH))
+            async_t.append(total / (batches * ASYNC_BATCH))
+        med = statistics.median
+        results[op] = {"sync_us": med(sync_t) * 1e6, "issue_us": med(issue_t) * 1e6, "async_us": med(async_t) * 1e6,
+                       "sync_allocs": med(sync_a), "async_allocs": med(async_a)}
+        if args["trace"] and lib is not None:
+            dist.barrier()
+            results[op]["trace"] = _trace(dist, lib, op, inp, out, rank, world)
+    violations = _test_double.violations()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put({"ops": results, "violations": violations, "module": c10d_ext.__file__})
+
+
+def _measure(tree: str, shim: str | None, args) -> dict:
+    env = {"MYCCL_TEST_CUDA_DOUBLE_DELAY_US": "0", "OMP_NUM_THREADS": "1"}
+    if shim:
+        os.environ["LD_PRELOAD"] = shim  # the spawned ranks start with it (it reaches them at exec)
+    try:
+        return run_ranks(_rank, args.world_size, {"env": env, "tree": tree, "shim": shim, "reps": args.reps,
+                                                  "rounds": args.rounds, "trace": args.trace}, timeout=1800)
+    finally:
+        os.environ.pop("LD_PRELOAD", None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--reps", type=int, default=160, help="ops per round and mode")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--before", help="also measure this git revision (built once in bench_out/)")
+    p.add_argument("--trace", action="store_true", help="also print which functions allocate, per op")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench_out", "cuda_host_cost.json"))
+    args = p.parse_args()
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    shim = _shim(out_dir)
+    trees = {"after": ROOT}
+    if args.before:
+        trees = {"before": _before_tree(args.before, out_dir), "after": ROOT}
+    runs = {name: _measure(tree, shim, args) for name, tree in trees.items()}
+    cols = ["sync_us", "issue_us", "async_us", "sync_allocs", "async_allocs"]
+    head = f"{'op':<18}" + "".join(f"{c:>13}" for c in cols)
+    for name, res in runs.items():
+        print(f"\n{name} ({res['module']}), {args.world_size} ranks on the CUDA double, delays 0, 8 B, "
+              f"median of {args.rounds} rounds x {args.reps} ops; allocations {'counted' if shim else 'not counted (no cc)'}")
+        print(head)
+        for op, r in res["ops"].items():
+            print(f"{op:<18}" + "".join(f"{r[c]:>13.1f}" for c in cols))
+        for op, r in res["ops"].items():
+            if "trace" in r:
+                o = r["trace"]["by_owner"]
+                print(f"\n  {op}: allocations per synchronous op on the issuing thread: myccl {o.get('myccl', 0):.1f}, "
+                      f"the double {o.get('double', 0):.1f}, torch and Python above the backend {o.get('above', 0):.1f}; "
+                      "myccl's by the function that asked:")
+                for fn, per in r["trace"]["myccl"]:
+                    print(f"    {per:6.2f}  {fn}")
+        if res["violations"]:
+            print(f"  the double reported {len(res['violations'])} violations: {res['violations'][:3]}")
+    if "before" in runs:
+        print("\nafter / before")
+        print(head)
+        for op in runs["after"]["ops"]:
+            a, b = runs["after"]["ops"][op], runs["before"]["ops"][op]
+            print(f"{op:<18}" + "".join(f"{(a[c] / b[c] if b[c] else float('nan')):>13.2f}" for c in cols))
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "world_size": args.world_size, "reps": args.reps,
+              "rounds": args.rounds, "before": args.before, "allocations_counted": bool(shim),
+              "runs": {k: {"ops": v["ops"], "violations": len(v["violations"])} for k, v in runs.items()}}
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
