@@ -21,7 +21,8 @@ outside the allocator and the C++ runtime, resolved with addr2line) and how ofte
 the allocations of the launch path come from.
 
 ``--before REV`` measures the tree at git revision REV too, in the same run (a worktree under
-bench_out/, built once with MYCCL_BUILD_TESTS=1), and adds after/before ratios: the figures of
+bench_out/, built once with MYCCL_BUILD_TESTS=1; `git worktree remove` it when done), and adds
+after/before ratios: the figures of
 a change to the launch path, before and after, from one run on one machine.
 
     python benchmarks/cuda_host_cost.py
@@ -75,9 +76,12 @@ def _before_tree(rev: str, out_dir: str) -> str:
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, sha], check=True)
     built = [f for f in os.listdir(os.path.join(tree, "c10d_ext")) if f.startswith("_test_double") and f.endswith(".so")]
     if not built:
-        print(f"building {rev} ({sha}) in {tree} (once; several minutes)", flush=True)
+        log = os.path.join(out_dir, f"before-{sha}-build.log")
+        print(f"building {rev} ({sha}) in {tree} (once; several minutes; log: {log})", flush=True)
         env = dict(os.environ, MYCCL_BUILD_TESTS="1", MAX_JOBS=str(os.cpu_count() or 2))
-        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, env=env, check=True)
+        with open(log, "w") as f:
+            subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env, check=True,
+                           stdout=f, stderr=subprocess.STDOUT)
     return tree
 
 
