@@ -301,15 +301,13 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
     if tensor_dtype not in _DTYPES:
         fail(op, group, f"dtype {tensor_dtype} is not supported (one of {', '.join(str(d) for d in _DTYPES)})")
     shape, stride = _check_layout(op, group, sizes, strides)
-    cuda = None  # the CUDA device of a mapped kind's memory or view, None for host memory
+    cuda, error = None, None  # the CUDA device of a mapped kind's memory or view, None for host memory
     if kind is not WmTensorType.DISTRIBUTED:
-        error = None
         try:
             cuda = device_mod.resolve_device(op, group, device, kind is WmTensorType.DEVICE, f"a {kind.name} tensor")
         except (ValueError, NotImplementedError) as e:
             error = e
-        agree_on_error(op, group, error, "rank {rank} cannot place this tensor (its error says why)")
-    _agree(op, group, (kind.value, shape, stride, str(tensor_dtype), "host" if cuda is None else "cuda"))
+    _agree(op, group, (kind.value, shape, stride, str(tensor_dtype), "host" if cuda is None else "cuda"), error)
     storage_rows = shape[0] * stride[0]
     if kind is WmTensorType.DISTRIBUTED:
         n, me = dist.get_world_size(group), dist.get_rank(group)
@@ -383,13 +381,22 @@ def _device(op, group, device) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree(op, group, what) -> None:
-    """Every rank must ask for the same tensor: a mismatch is an error on every rank."""
+def _agree(op, group, what, error: BaseException | None = None) -> None:
+    """Every rank must ask for the same tensor and be able to place it, in one exchange: a rank
+    that could not raises its own ``error`` and the others name it; a mismatch is an error on
+    every rank."""
     if dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
         return
     got = [None] * dist.get_world_size(group)
-    dist.all_gather_object(got, what, group=group)
-    for r, other in enumerate(got):
+    dist.all_gather_object(got, (what, error is not None), group=group)
+    if error is not None:
+        raise error
+    failed = next((r for r, (_, bad) in enumerate(got) if bad), None)
+    if failed is not None:
+        fail(op, group, f"rank {failed} cannot place this tensor (its error says why)")
+    for r, (other, _) in enumerate(got):
         if other != what:
             names = ("kind", "shape", "stride", "dtype", "memory (host or CUDA device)")
             diff = next(i for i in range(len(what)) if other[i] != what[i])

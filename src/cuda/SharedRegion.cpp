@@ -141,6 +141,7 @@ void SharedRegion::map(const std::vector<int>& fds, const std::vector<size_t>& s
   TORCH_CHECK(sizes[mine] == bytes_, "myccl: shared device memory: part ", mine, " is ", sizes[mine],
               " bytes but this process made ", bytes_);
   mapped_ = true;
+  contiguous_ = contiguous;
   size_t total = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
     TORCH_CHECK(sizes[i] % gran_ == 0, "myccl: shared device memory: part ", i, " has ", sizes[i],
@@ -187,8 +188,7 @@ at::Tensor SharedRegion::view(int part, int64_t offset, at::IntArrayRef sizes, a
   TORCH_CHECK(mapped_, "myccl: shared device memory: view() before map()");
   const Range* r = nullptr;
   if (part < 0) {
-    TORCH_CHECK(ranges_.size() <= 1 && (ranges_.empty() || ranges_[0].mapped.size() >= 1),
-                "myccl: shared device memory: a whole view needs a contiguous region");
+    TORCH_CHECK(contiguous_, "myccl: shared device memory: a whole view needs a contiguous region");
     r = ranges_.empty() ? nullptr : &ranges_[0];
   } else {
     TORCH_CHECK(part < static_cast<int>(partRange_.size()), "myccl: shared device memory: no part ", part);

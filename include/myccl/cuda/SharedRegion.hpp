@@ -60,6 +60,7 @@ class SharedRegion : public std::enable_shared_from_this<SharedRegion> {
   bool haveOwn_ = false;
   std::mutex mu_;
   bool mapped_ = false;
+  bool contiguous_ = false;  // map()'s choice: one range for all parts
   std::vector<MemHandle> imported_;
   std::vector<Range> ranges_;      // one (contiguous) or one per part
   std::vector<int> partRange_;     // part -> index into ranges_, -1 for a part with no pages

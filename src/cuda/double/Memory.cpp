@@ -113,7 +113,7 @@ class DoubleMemory final : public Memory {
       TORCH_CHECK(false, "myccl: cuda double: cuMemCreate of ", bytes, " bytes: ", std::strerror(e));
     }
     m_->count("mem_creates");
-    return add(fd, bytes, device);
+    return add(fd, bytes);
   }
 
   int exportFd(MemHandle h) override {
@@ -134,11 +134,10 @@ class DoubleMemory final : public Memory {
       fail("cuMemImportFromShareableHandle of descriptor " + std::to_string(fd) +
            ", which is no memory a process exported (cuMemExportToShareableHandle)");
     }
-    const int device = std::atoi(tag + std::strlen("myccl-double-cuda"));
     const int mine = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     TORCH_CHECK(mine >= 0, "myccl: cuda double: cuMemImportFromShareableHandle: ", std::strerror(errno));
     m_->count("mem_imports");
-    return add(mine, static_cast<size_t>(st.st_size), device);
+    return add(mine, static_cast<size_t>(st.st_size));
   }
 
   void release(MemHandle h) override {
@@ -184,7 +183,7 @@ class DoubleMemory final : public Memory {
     if (overlapsNext || overlapsPrev) fail("cuMemMap at " + hex(va) + " over memory already mapped");
     void* got = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, p.fd, 0);
     TORCH_CHECK(got != MAP_FAILED, "myccl: cuda double: cuMemMap: ", std::strerror(errno));
-    mapped_[va] = Mapping{bytes, p.device, {}};
+    mapped_[va] = Mapping{bytes, {}};
     m_->count("mem_maps");
     m_->count("mem_mapped");
   }
@@ -255,18 +254,16 @@ class DoubleMemory final : public Memory {
   struct Phys {
     int fd;
     size_t bytes;
-    int device;
   };
   struct Mapping {
     size_t bytes;
-    int device;           // where the memory is
     std::set<int> access;  // devices that may use it
   };
 
-  MemHandle add(int fd, size_t bytes, int device) {
+  MemHandle add(int fd, size_t bytes) {
     std::lock_guard<std::mutex> lk(mu_);
     const MemHandle h = next_++;
-    handles_[h] = Phys{fd, bytes, device};
+    handles_[h] = Phys{fd, bytes};
     m_->count("mem_handles");
     return h;
   }
