@@ -241,7 +241,8 @@ VARS: list[Var] = [
     Var("MYCCL_BLOCKING_WAIT", _bool,
         "CUDA: Work.wait() blocks the host and raises on timeout instead of ordering streams", show=_show_bool),
     Var("MYCCL_AVOID_RECORD_STREAMS", _bool,
-        "CUDA: keep tensors alive by holding them in the Work instead of recordStream", show=_show_bool),
+        "CUDA: an asynchronous op keeps its tensors alive by holding them in its Work until the op has "
+        "finished, as torch's nccl does (default); 0: recordStream on the op's stream instead", show=_show_bool),
     Var("MYCCL_HIGH_PRIORITY_STREAM", _bool,
         "CUDA: run NCCL on a high-priority stream", show=_show_bool),
     Var("MYCCL_NCCL_NONBLOCKING", _bool,

@@ -37,25 +37,28 @@ void AbortHooks::run(const std::string& why) {
 
 void CompletionHooks::add(int64_t id, Hook hook) {
   std::lock_guard<std::mutex> lk(mu_);
-  hooks_[id] = std::move(hook);
+  hooks_[id] = std::make_shared<const Hook>(std::move(hook));
+  snapshot_ = std::make_shared<const List>(hooks_.begin(), hooks_.end());
   count_.store(hooks_.size(), std::memory_order_release);
 }
 
 void CompletionHooks::remove(int64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   hooks_.erase(id);
+  snapshot_ = std::make_shared<const List>(hooks_.begin(), hooks_.end());
   count_.store(hooks_.size(), std::memory_order_release);
 }
 
 void CompletionHooks::run(uint64_t completionKey, std::optional<float> durationMs) {
-  std::vector<std::pair<int64_t, Hook>> hooks;
+  std::shared_ptr<const List> hooks;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    hooks.assign(hooks_.begin(), hooks_.end());
+    hooks = snapshot_;
   }
-  for (auto& [id, hook] : hooks) {
+  if (!hooks) return;
+  for (const auto& [id, hook] : *hooks) {
     try {
-      hook(completionKey, durationMs);
+      (*hook)(completionKey, durationMs);
     } catch (const std::exception& e) {
       log(LogLevel::Warning, "completion hook " + std::to_string(id) + " raised: " + e.what());
     } catch (...) {

@@ -79,7 +79,7 @@ void annotate(OpInfo& i, const at::Tensor& t, int64_t root, const char* redop) {
   if (redop) i.redop = redop;
 }
 
-Reduction toReduction(const std::string& w, const at::Tensor& t, const c10d::ReduceOp& rop, int size, bool onDevice) {
+Reduction toReduction(const Where& w, const at::Tensor& t, const c10d::ReduceOp& rop, int size, bool onDevice) {
   Reduction r;
   const auto dtype = dtypeOf(t.scalar_type());
   MYCCL_CHECK_ARG(dtype.has_value(), w, ": reductions are not supported for dtype ", scalarTypeName(t.scalar_type()),
@@ -140,27 +140,27 @@ Reduction toReduction(const std::string& w, const at::Tensor& t, const c10d::Red
   return r;
 }
 
-void checkRoot(const std::string& w, int64_t root, int size) {
+void checkRoot(const Where& w, int64_t root, int size) {
   MYCCL_CHECK_ARG(root >= 0 && root < size, w, ": root ", root, " is not a rank of this group (size ", size, ")");
 }
 
-void checkPeer(const std::string& w, int peer, int rank, int size, bool selfAllowed) {
+void checkPeer(const Where& w, int peer, int rank, int size, bool selfAllowed) {
   MYCCL_CHECK_ARG(peer >= 0 && peer < size, w, ": peer rank ", peer, " is not a rank of this group (size ", size, ")");
   MYCCL_CHECK_ARG(selfAllowed || peer != rank, w, ": peer rank ", peer,
                   " is this rank; myccl does not send to itself for CPU tensors (CUDA tensors can)");
 }
 
-const at::Tensor& single(const std::string& w, const std::vector<at::Tensor>& ts, const char* what) {
+const at::Tensor& single(const Where& w, const std::vector<at::Tensor>& ts, const char* what) {
   MYCCL_CHECK_ARG(ts.size() == 1, w, ": expected exactly one ", what, ", got ", ts.size());
   return ts[0];
 }
 
-void checkWritable(const std::string& w, const at::Tensor& t, const char* what) {
+void checkWritable(const Where& w, const at::Tensor& t, const char* what) {
   MYCCL_CHECK_ARG(at::has_internal_overlap(t) != at::MemOverlap::Yes, w, ": ", what, " ", shapeOf(t),
                   " has elements that share memory (e.g. from expand()); it cannot receive data");
 }
 
-void checkSameDtype(const std::string& w, const at::Tensor& ref, const at::Tensor& t, const char* what) {
+void checkSameDtype(const Where& w, const at::Tensor& ref, const at::Tensor& t, const char* what) {
   MYCCL_CHECK_ARG(t.scalar_type() == ref.scalar_type(), w, ": ", what, " has dtype ", scalarTypeName(t.scalar_type()),
                   " but the input has ", scalarTypeName(ref.scalar_type()), "; all tensors of one op must share a dtype");
 }
@@ -200,7 +200,7 @@ at::Tensor rowSlice(const at::Tensor& t, int64_t first, int64_t count) {
 }
 
 // Row-major blocks of `t` for each rank: block r holds elements [r*n, (r+1)*n).
-std::vector<at::Tensor> blocks(const std::string& w, const at::Tensor& t, int size, int64_t n, const char* what) {
+std::vector<at::Tensor> blocks(const Where& w, const at::Tensor& t, int size, int64_t n, const char* what) {
   std::vector<at::Tensor> out;
   out.reserve(size);
   if (aliasable(t) && t.numel() >= static_cast<int64_t>(size) * n) {
@@ -219,7 +219,7 @@ std::vector<at::Tensor> blocks(const std::string& w, const at::Tensor& t, int si
   return out;
 }
 
-std::vector<at::Tensor> rootList(const std::string& w, const std::vector<std::vector<at::Tensor>>& lists,
+std::vector<at::Tensor> rootList(const Where& w, const std::vector<std::vector<at::Tensor>>& lists,
                                  const char* what, const char* other, const at::Tensor& mine, bool writable, int root,
                                  int rank, int size) {
   if (rank != root) {

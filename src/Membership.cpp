@@ -89,7 +89,7 @@ std::vector<int> MycclBackend::survivors(std::chrono::milliseconds timeout) {
   // A connection of its own: other threads of this process may be using the group's.
   auto store = store_->clone();
   const std::string base = engines_.cpu(w)->keyPrefix() + "survivors" + std::to_string(survivorRounds_++) + "/";
-  return cpu::survivors(*store, base, rank_, size_, vanishedRanks(), timeout, w);
+  return cpu::survivors(*store, base, rank_, size_, vanishedRanks(), timeout, w.str());
 }
 
 c10::intrusive_ptr<c10d::Backend> MycclBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
@@ -169,7 +169,7 @@ c10::intrusive_ptr<c10d::Work> MycclBackend::reconfigure(const c10d::Reconfigure
                   ": a handle appears twice among the ", handles.size(), " handles");
   MYCCL_CHECK_ARG(opts.uuid >= 0, w, ": uuid must not be negative, got ", opts.uuid);
   std::vector<int64_t> stable;
-  for (const auto& h : handles) stable.push_back(stableRankOf(w, h));
+  for (const auto& h : handles) stable.push_back(stableRankOf(w.str(), h));
   const std::string mine = get_reconfigure_handle();
   const auto it = std::find(handles.begin(), handles.end(), mine);
   MYCCL_CHECK_ARG(it != handles.end(), w, ": this rank's handle '", mine, "' is not among the ", handles.size(),

@@ -98,23 +98,24 @@ uint64_t Recorder::queued(const OpInfo& info, bool p2p) {
   if (capacity_ == 0 && !tracing()) return 0;
   std::lock_guard<std::mutex> lk(mu_);
   const uint64_t id = next_++;
-  OpRecord r;
+  // Written in place: the ring's slots keep their strings' buffers, so recording an op whose
+  // texts fit them allocates nothing.
+  OpRecord& r = capacity_ > 0 ? ring_[id % capacity_] : trace_.emplace_back();
   r.id = id;
   r.seq = info.seq;
   r.op = info.op;
   r.dtype = info.dtype;
   r.shape = info.shape;
   r.redop = info.redop;
+  r.algo.clear();
+  r.transport.clear();
+  r.error.clear();
   r.bytes = info.bytes;
   r.root = info.root;
   r.p2p = p2p;
+  r.state = OpRecord::State::Queued;
   r.queuedUs = nowUs();
-  if (capacity_ > 0) {
-    ring_[id % capacity_] = r;
-  } else {
-    // Tracing only: keep the record in the trace buffer directly, completed later.
-    trace_.push_back(r);
-  }
+  r.startedUs = r.endedUs = 0;
   return id;
 }
 

@@ -81,12 +81,16 @@ void recordParamComms(const OpInfo& info, const std::vector<at::Tensor>& inputs,
 
 }  // namespace
 
-MycclWork::MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs)
-    : c10d::Work(info.rank, info.type, profilingTitle(info.name), std::optional<std::vector<at::Tensor>>(inputs)),
+MycclWork::MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                     c10::intrusive_ptr<c10::ivalue::Future> future)
+    // The range needs a listener: without one (at::hasCallbacks) torch's Work would only make and
+    // drop an inactive RecordFunction and a copy of the inputs.
+    : c10d::Work(info.rank, info.type, at::hasCallbacks() ? profilingTitle(info.name) : nullptr,
+                 at::hasCallbacks() ? std::optional<std::vector<at::Tensor>>(inputs) : std::nullopt),
       info_(std::move(info)),
       inputs_(std::move(inputs)),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(tensorListType())),
+      future_(future ? std::move(future) : c10::make_intrusive<c10::ivalue::Future>(tensorListType())),
       queuedAt_(std::chrono::steady_clock::now()),
       completionKey_([] {
         static std::atomic<uint64_t> next{1};

@@ -264,6 +264,47 @@ def test_premul_sum_tensor_factor_on_device(run, mode):
     _assert_reports(run(2, body_premul_tensor_factor, mode, timeout=120, world_env=WORLD[mode]))
 
 
+# ---- the launch path's economies --------------------------------------------------------------
+
+def body_launch_economies(ctx, mode, record_streams):
+    """What the lean launch path saves, seen through the double's counters: end events come from
+    a pool (rounds of asynchronous ops make about one round's worth, not one each), and an
+    asynchronous in-place op's tensor is recordStream'ed once (not as input and again as output)
+    with MYCCL_AVOID_RECORD_STREAMS=0, and not at all by default: its Work holds it until the op
+    has finished, as torch's nccl stashes it. Results are checked every time."""
+    dev, _ = _init(ctx, mode=mode, timeout=60)
+    rep = Report(ctx, mode)
+    n = ctx.size
+    warm = _full(4, 1, dev)
+    dist.all_reduce(warm, async_op=True).wait()  # the communicator, its stream and ready event
+    time.sleep(0.1)
+    before = _counters(mode)
+    rounds, per = 8, 8
+    want = _full(4, n * (n + 1) // 2, "cpu")
+    for k in range(rounds):
+        xs = [_full(4, ctx.rank + 1, dev) for _ in range(per)]
+        works = [dist.all_reduce(x, async_op=True) for x in xs]
+        for w in works:
+            w.wait()
+        rep.check(all(torch.equal(x.cpu(), want) for x in xs), f"round {k}: {[x.tolist() for x in xs][:2]}")
+        del works, xs
+        time.sleep(0.1)  # the watchdog lets go of finished Works within a tick
+    after = _counters(mode)
+    if after is not None:
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("events", "record_stream_calls")}
+        rep.check(d["events"] <= 2 * per, f"{rounds * per} asynchronous ops made {d['events']} events")
+        rep.check(d["record_stream_calls"] == (rounds * per if record_streams else 0),
+                  f"recordStream calls for {rounds * per} in-place ops: {d['record_stream_calls']}")
+    return rep.result()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("record_streams", [False, True], ids=["stash", "record-streams"])
+def test_launch_path_economies(run, mode, record_streams):
+    env = dict(WORLD[mode], MYCCL_AVOID_RECORD_STREAMS="0" if record_streams else "1")
+    _assert_reports(run(2, body_launch_economies, mode, record_streams, timeout=120, world_env=env))
+
+
 # ---- coalescing ------------------------------------------------------------------------------
 
 def body_coalescing(ctx, mode):

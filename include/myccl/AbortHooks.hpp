@@ -10,9 +10,12 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace myccl {
 
@@ -37,8 +40,12 @@ class CompletionHooks {
   void run(uint64_t completionKey, std::optional<float> durationMs);
 
  private:
+  using List = std::vector<std::pair<int64_t, std::shared_ptr<const Hook>>>;
+
   std::mutex mu_;
-  std::map<int64_t, Hook> hooks_;
+  std::map<int64_t, std::shared_ptr<const Hook>> hooks_;
+  // What run() reads: rebuilt by add/remove, so that running the hooks copies no callable.
+  std::shared_ptr<const List> snapshot_;
   std::atomic<size_t> count_{0};
 };
 

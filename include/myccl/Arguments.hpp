@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "myccl/Errors.hpp"
 #include "myccl/Reduction.hpp"
 #include "myccl/Work.hpp"
 
@@ -29,27 +30,27 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op);
 // What a ReduceOp means for this tensor's dtype in a group of `size` ranks; rejects
 // combinations that have no meaning (AVG of bool, MIN of complex, bitwise on floats).
 // `onDevice`: the op runs on the CUDA engine (MycclBackend::onDevice), which reduces more dtypes.
-Reduction toReduction(const std::string& where, const at::Tensor& t, const c10d::ReduceOp& rop, int size,
+Reduction toReduction(const Where& where, const at::Tensor& t, const c10d::ReduceOp& rop, int size,
                       bool onDevice);
 
 // What the flight recorder, traces and cross-rank checks say about an op.
 void annotate(OpInfo& i, const at::Tensor& t, int64_t root, const char* redop);
 
-void checkRoot(const std::string& where, int64_t root, int size);
+void checkRoot(const Where& where, int64_t root, int size);
 // `selfAllowed`: CUDA point-to-point, where a send to this rank itself is a device copy.
-void checkPeer(const std::string& where, int peer, int rank, int size, bool selfAllowed = false);
-const at::Tensor& single(const std::string& where, const std::vector<at::Tensor>& ts, const char* what = "tensor");
-void checkWritable(const std::string& where, const at::Tensor& t, const char* what);
-void checkSameDtype(const std::string& where, const at::Tensor& ref, const at::Tensor& t, const char* what);
+void checkPeer(const Where& where, int peer, int rank, int size, bool selfAllowed = false);
+const at::Tensor& single(const Where& where, const std::vector<at::Tensor>& ts, const char* what = "tensor");
+void checkWritable(const Where& where, const at::Tensor& t, const char* what);
+void checkSameDtype(const Where& where, const at::Tensor& ref, const at::Tensor& t, const char* what);
 
 // Rows [first, first + count) of `t`, as t.narrow(0, first, count) gives them.
 at::Tensor rowSlice(const at::Tensor& t, int64_t first, int64_t count);
 // Row-major blocks of `t` for each rank: block r holds elements [r*n, (r+1)*n).
-std::vector<at::Tensor> blocks(const std::string& where, const at::Tensor& t, int size, int64_t n, const char* what);
+std::vector<at::Tensor> blocks(const Where& where, const at::Tensor& t, int size, int64_t n, const char* what);
 // A rooted op's list of one tensor per rank (gather's outputs: what = "output", scatter's inputs:
 // "input"), which only the root passes, checked against this rank's own tensor `mine` (what the
 // op calls `other`); `writable`: the list receives results. Returns it (empty off the root).
-std::vector<at::Tensor> rootList(const std::string& where, const std::vector<std::vector<at::Tensor>>& lists,
+std::vector<at::Tensor> rootList(const Where& where, const std::vector<std::vector<at::Tensor>>& lists,
                                  const char* what, const char* other, const at::Tensor& mine, bool writable, int root,
                                  int rank, int size);
 

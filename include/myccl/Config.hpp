@@ -33,7 +33,7 @@
   X(int64_t, streamStoreBytes, "stream_store_bytes", -1)  /* MYCCL_STREAM_STORE_BYTES */         \
   X(int64_t, spinUs, "spin_us", -1)                       /* MYCCL_SPIN_US */                    \
   X(bool, blockingWait, "blocking_wait", false)           /* MYCCL_BLOCKING_WAIT */              \
-  X(bool, avoidRecordStreams, "avoid_record_streams", false) /* MYCCL_AVOID_RECORD_STREAMS */    \
+  X(bool, avoidRecordStreams, "avoid_record_streams", true) /* MYCCL_AVOID_RECORD_STREAMS */     \
   X(bool, highPriorityStream, "high_priority_stream", false) /* MYCCL_HIGH_PRIORITY_STREAM */    \
   X(bool, ncclNonblocking, "nccl_nonblocking", false)     /* MYCCL_NCCL_NONBLOCKING */           \
   X(int, asyncErrorHandling, "async_error_handling", 3)   /* MYCCL_ASYNC_ERROR_HANDLING */       \

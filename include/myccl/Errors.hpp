@@ -5,10 +5,43 @@
 
 #include <c10/util/Exception.h>
 
+#include <concepts>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 
 namespace myccl {
+
+// "<op> (rank R)", the start of every argument error, kept as its parts and formatted only when
+// an error is raised: checks on every op's path cost no string.
+struct Where {
+  const char* op;
+  int rank;
+  std::string str() const { return std::string(op) + " (rank " + std::to_string(rank) + ")"; }
+};
+
+// A text made only when needed (Where, Described in Work.hpp) prints and joins with strings as
+// the string it stands for.
+template <class T>
+concept LazyText = requires(const T& t) {
+  { t.str() } -> std::same_as<std::string>;
+};
+template <LazyText T>
+std::ostream& operator<<(std::ostream& os, const T& t) {
+  return os << t.str();
+}
+template <LazyText T>
+std::string operator+(const std::string& a, const T& t) {
+  return a + t.str();
+}
+template <LazyText T>
+std::string operator+(const T& t, const std::string& b) {
+  return t.str() + b;
+}
+template <LazyText T>
+std::string operator+(const T& t, const char* b) {
+  return t.str() + b;
+}
 
 enum class CommErrorKind { Timeout, PeerGone, Protocol, Aborted, Local };
 

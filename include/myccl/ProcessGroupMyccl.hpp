@@ -226,7 +226,7 @@ class MycclBackend final : public c10d::Backend {
   // What every Work gets on its way out: completion hooks, ephemeral timeouts, the coalescing
   // block it belongs to.
   c10::intrusive_ptr<c10d::Work> record(c10::intrusive_ptr<c10d::Work> w);
-  std::string where(const char* op) const;
+  Where where(const char* op) const { return Where{op, rank_}; }
   std::shared_ptr<Recorder> makeRecorder(int rank, int size) const;
   void setRanks(std::vector<int64_t> globalRanks);
   Engines::CudaMaker cudaMaker();

@@ -8,6 +8,7 @@
 #include <ATen/core/ivalue.h>
 
 #include "myccl/AbortHooks.hpp"
+#include "myccl/Errors.hpp"
 #include "myccl/TorchCompat.hpp"
 
 #include <atomic>
@@ -42,13 +43,28 @@ struct OpInfo {
   std::string describe() const;
 };
 
+// What an error on an op's path names: an op, described only if an error is raised (so the hot
+// path builds no string), or a fixed text. Refers to its source: use it within the call.
+class Described {
+ public:
+  Described(const OpInfo& info) : info_(&info) {}      // NOLINT: implicit by design
+  Described(const std::string& text) : text_(&text) {}  // NOLINT
+  std::string str() const { return info_ ? info_->describe() : *text_; }
+
+ private:
+  const OpInfo* info_ = nullptr;
+  const std::string* text_ = nullptr;
+};
+
 class MycclWork : public c10d::Work {
  public:
   // The profiler range ("myccl:all_reduce", with input shapes) opens here and closes when
   // the work completes; while a profiler listens, the op is also recorded here (on the calling
   // thread) as torch's "record_param_comms" event with torch's comm metadata (collective name,
   // element counts, dtype, group name and ranks), as torch's own backends record it.
-  MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs);
+  // `future`: the Future it hands out (a device-aware one); a plain one when none is given.
+  MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+            c10::intrusive_ptr<c10::ivalue::Future> future = {});
   ~MycclWork() override;
 
   bool isCompleted() override;
@@ -70,6 +86,9 @@ class MycclWork : public c10d::Work {
   void setCompletionHooks(std::shared_ptr<CompletionHooks> hooks);
 
   const OpInfo& info() const { return info_; }
+  // The tensors it holds until completion (result() copies the outputs).
+  const std::vector<at::Tensor>& inputs() const { return inputs_; }
+  const std::vector<at::Tensor>& outputs() const { return outputs_; }
 
   // Completed by a device (the CUDA engine's Works), not by an engine thread.
   virtual bool onDevice() const { return false; }

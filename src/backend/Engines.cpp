@@ -18,7 +18,7 @@ bool Engines::onDevice(const at::Tensor& t) const {
   return !t.device().is_cpu() || testRuntimeInstalled();
 }
 
-Held<Engine> Engines::route(const std::string& where, const std::vector<at::Tensor>& tensors) {
+Held<Engine> Engines::route(const Where& where, const std::vector<at::Tensor>& tensors) {
   MYCCL_CHECK_ARG(!tensors.empty(), where, ": expected at least one tensor");
   const auto first = tensors[0].device();
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -40,7 +40,7 @@ Held<Engine> Engines::route(const std::string& where, const std::vector<at::Tens
   return Held<Engine>(std::move(lock), &cpuLocked(where));
 }
 
-std::optional<at::Device> Engines::barrierDevice(const std::string& where, const c10d::BarrierOptions& opts,
+std::optional<at::Device> Engines::barrierDevice(const Where& where, const c10d::BarrierOptions& opts,
                                                  std::optional<at::Device> bound) {
   // torch's Python fills BarrierOptions::device, but its dispatcher op passes only device_ids on.
   // A test runtime has no CPU tensors of its own: its barrier is the CUDA engine's.
@@ -60,25 +60,25 @@ std::optional<at::Device> Engines::barrierDevice(const std::string& where, const
   return std::nullopt;
 }
 
-Held<cpu::CpuEngine> Engines::cpu(const std::string& where) {
+Held<cpu::CpuEngine> Engines::cpu(const Where& where) {
   auto lock = hold();
   return Held<cpu::CpuEngine>(std::move(lock), &cpuLocked(where));
 }
 
-std::shared_ptr<cpu::CpuEngine> Engines::cpuOwned(const std::string& where) const {
+std::shared_ptr<cpu::CpuEngine> Engines::cpuOwned(const Where& where) const {
   auto lock = hold();
   cpuLocked(where);
   return cpu_;
 }
 
-Held<Engine> Engines::cuda(const std::string& where) {
+Held<Engine> Engines::cuda(const Where& where) {
   MYCCL_CHECK_ARG(cudaEngineBuilt() || testRuntimeInstalled(), where,
                   ": this needs the NCCL engine, which this myccl build does not have");
   auto lock = hold();
   return Held<Engine>(std::move(lock), &cudaLocked(where));
 }
 
-cpu::CpuEngine& Engines::cpuLocked(const std::string& where) const {
+cpu::CpuEngine& Engines::cpuLocked(const Where& where) const {
   // The pointer changes only under the exclusive lock, which the caller's shared lock excludes.
   if (!cpu_) {
     throwDistError("myccl: " + where + ": the group was created with enable_reconfigure=True and has no members "
@@ -87,11 +87,11 @@ cpu::CpuEngine& Engines::cpuLocked(const std::string& where) const {
   return *cpu_;
 }
 
-Engine& Engines::cudaLocked(const std::string& where) {
+Engine& Engines::cudaLocked(const Where& where) {
   std::lock_guard<std::mutex> lk(mu_);
   if (!cuda_) {
     cpu::CpuEngine& cpu = cpuLocked(where);
-    cuda_ = makeCuda_(where.c_str(), &cpu, recorder_);
+    cuda_ = makeCuda_(where.str().c_str(), &cpu, recorder_);
   }
   return *cuda_;
 }
@@ -119,7 +119,7 @@ std::shared_ptr<Recorder> Engines::recorder() const {
   return recorder_;
 }
 
-void Engines::replace(const std::string& where, const std::function<std::shared_ptr<cpu::CpuEngine>()>& make,
+void Engines::replace(const Where& where, const std::function<std::shared_ptr<cpu::CpuEngine>()>& make,
                       std::shared_ptr<Recorder> recorder, const std::string& why, const std::function<void()>& then) {
   std::unique_lock<std::shared_mutex> exclusive(swapMu_);
   size_t inFlight = 0;

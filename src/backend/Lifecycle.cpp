@@ -102,10 +102,6 @@ c10::intrusive_ptr<c10d::Backend::Options> MycclBackend::getBackendOptions() {
   return o;
 }
 
-std::string MycclBackend::where(const char* op) const {
-  return std::string(op) + " (rank " + std::to_string(rank_) + ")";
-}
-
 void MycclBackend::eagerConnectSingleDevice(at::Device device) {
   if (device.is_cuda() && (cudaEngineBuilt() || testRuntimeInstalled()))
     engines_.cuda(where("eager_connect"))->eagerConnect(device);
@@ -156,7 +152,7 @@ at::Tensor MycclBackend::sharedTensor(const std::vector<int64_t>& shape, at::Sca
     MYCCL_CHECK_ARG(shape[i] >= 0, w, ": dimension ", i, " is negative (", shape[i], ")");
   MYCCL_CHECK_ARG(owner >= 0 && owner < topology().localSize, w, ": owner must be a local rank in [0, ",
                   topology().localSize, "), got ", owner);
-  return engines_.cpu(w)->sharedTensor(shape, dtype, owner, timeout(), w);
+  return engines_.cpu(w)->sharedTensor(shape, dtype, owner, timeout(), w.str());
 }
 
 bool MycclBackend::supportsTensorAlloc(c10::DeviceIndex deviceIdx) {

@@ -13,7 +13,7 @@
 namespace myccl::cuda {
 
 void NcclEngine::Impl::awaitKeys(const std::vector<std::string>& keys, const std::vector<int>& ranks,
-                                 Clock::time_point deadline, const std::string& what, const std::string& where) {
+                                 Clock::time_point deadline, const std::string& what, const Described& where) {
   constexpr auto kSlice = std::chrono::milliseconds(100);
   // What the error reports: how long this wait lasted, to 10 ms (the op's timeout less the few
   // microseconds the op spent before getting here).
@@ -38,7 +38,7 @@ void NcclEngine::Impl::awaitKeys(const std::vector<std::string>& keys, const std
 }
 
 CommSlot& NcclEngine::Impl::create(const std::string& key, const std::vector<int>& members, bool pair, int device,
-                                   Clock::time_point deadline, const std::string& where) {
+                                   Clock::time_point deadline, const Described& where) {
   const int nranks = static_cast<int>(members.size());
   const int myRank = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
   // A fresh store key per attempt of this slot, so a communicator made again never reads an old id.
@@ -100,6 +100,9 @@ CommSlot& NcclEngine::Impl::addSlot(const std::string& key, std::shared_ptr<Nccl
   slot->lowRank = lowRank;
   auto& ref = *slot;
   slots[key] = std::move(slot);
+  // A slot may have replaced another under its key: lookups refill the caches from the maps.
+  groupSlotOf.clear();
+  pairSlotOf.clear();
   return ref;
 }
 
@@ -182,9 +185,16 @@ void NcclEngine::adoptSplit(std::shared_ptr<SplitParts> parts) {
   }
 }
 
-CommSlot& NcclEngine::Impl::groupSlot(int device, Clock::time_point deadline, const std::string& where) {
+CommSlot& NcclEngine::Impl::groupSlot(int device, Clock::time_point deadline, const Described& where) {
+  const auto d = static_cast<size_t>(device);
+  if (d < groupSlotOf.size() && groupSlotOf[d]) return *groupSlotOf[d];
   auto it = groupKeyOf.find(device);
-  if (it != groupKeyOf.end()) return *slots.at(it->second);
+  if (it != groupKeyOf.end()) {
+    CommSlot& slot = *slots.at(it->second);
+    if (groupSlotOf.size() <= d) groupSlotOf.resize(d + 1, nullptr);
+    groupSlotOf[d] = &slot;
+    return slot;
+  }
   MYCCL_CHECK(!rt.device->isCapturing(rt.device->currentStream(device)), where, ": the first CUDA op on cuda:",
               device, " of this group is being captured into a CUDA graph, and NCCL communicators cannot be created "
               "during capture; run one op (or eager_connect) on this device before capturing");
@@ -200,27 +210,35 @@ CommSlot& NcclEngine::Impl::groupSlot(int device, Clock::time_point deadline, co
   return slot;
 }
 
-CommSlot& NcclEngine::Impl::pairSlot(int peer, int device, Clock::time_point deadline, const std::string& where) {
+CommSlot& NcclEngine::Impl::pairSlot(int peer, int device, Clock::time_point deadline, const Described& where) {
+  const auto p = static_cast<size_t>(peer);
+  CommSlot* known = p < pairSlotOf.size() ? pairSlotOf[p] : nullptr;
   const int lo = std::min(rank, peer), hi = std::max(rank, peer);
   // The same key on both sides, whatever device each drives.
-  const std::string key = "p2p" + std::to_string(lo) + "-" + std::to_string(hi);
-  auto it = slots.find(key);
-  if (it != slots.end()) {
-    MYCCL_CHECK(it->second->device == device, where, ": point-to-point with rank ", peer, " uses cuda:", device,
-                " but this pair's NCCL communicator was made on cuda:", it->second->device,
-                "; use one device per rank");
-    return *it->second;
+  const auto key = [&] { return "p2p" + std::to_string(lo) + "-" + std::to_string(hi); };
+  if (!known) {
+    auto it = slots.find(key());
+    if (it != slots.end()) {
+      known = it->second.get();
+      if (pairSlotOf.size() <= p) pairSlotOf.resize(p + 1, nullptr);
+      pairSlotOf[p] = known;
+    }
+  }
+  if (known) {
+    MYCCL_CHECK(known->device == device, where, ": point-to-point with rank ", peer, " uses cuda:", device,
+                " but this pair's NCCL communicator was made on cuda:", known->device, "; use one device per rank");
+    return *known;
   }
   MYCCL_CHECK(!rt.device->isCapturing(rt.device->currentStream(device)), where,
               ": the first point-to-point op with rank ", peer, " on cuda:", device,
               " is being captured into a CUDA graph, and NCCL communicators cannot be created during capture; "
               "run one such op before capturing");
-  CommSlot& slot = create(key, {lo, hi}, /*pair=*/true, device, deadline, where);
+  CommSlot& slot = create(key(), {lo, hi}, /*pair=*/true, device, deadline, where);
   connectPair(slot, deadline, where);
   return slot;
 }
 
-void NcclEngine::Impl::connectPair(CommSlot& slot, Clock::time_point deadline, const std::string& where) {
+void NcclEngine::Impl::connectPair(CommSlot& slot, Clock::time_point deadline, const Described& where) {
   // NCCL connects a pair at its first send or receive, in a handshake in which each side offers
   // the directions its own first op needs. When both sides start with a send (isend to each
   // other, then irecv: common, and torch allows it) each reads the other's send offer as a
@@ -247,7 +265,7 @@ void NcclEngine::Impl::connectPair(CommSlot& slot, Clock::time_point deadline, c
 }
 
 CommSlot& NcclEngine::Impl::slotFor(const Target& target, int device, Clock::time_point deadline,
-                                    const std::string& where) {
+                                    const Described& where) {
   return target.kind == Target::Pair ? pairSlot(target.peer, device, deadline, where)
                                      : groupSlot(device, deadline, where);
 }

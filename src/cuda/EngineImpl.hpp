@@ -9,6 +9,8 @@
 #include "myccl/cuda/NcclEngine.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/util/FunctionRef.h>
+#include <c10/util/SmallVector.h>
 
 #include <deque>
 #include <functional>
@@ -30,9 +32,10 @@ inline size_t nbytesOf(const at::Tensor& t) {
   return static_cast<size_t>(t.numel()) * t.element_size();
 }
 
-// "<op> (rank R)": the prefix of argument errors (MYCCL_CHECK_ARG adds "myccl: ").
-inline std::string argWhere(const OpInfo& info) {
-  return info.op + " (rank " + std::to_string(info.rank) + ")";
+// "<op> (rank R)": the prefix of argument errors (MYCCL_CHECK_ARG adds "myccl: "), formatted
+// only if one is raised.
+inline Where argWhere(const OpInfo& info) {
+  return Where{info.op.c_str(), info.rank};
 }
 
 inline std::string errorText(const std::exception& e) {
@@ -57,7 +60,7 @@ inline bool consecutiveBlocks(const std::vector<at::Tensor>& ts, size_t each) {
   return true;
 }
 
-inline void checkNccl(Nccl& nccl, NcclResult r, const char* call, const std::string& where, NcclCommHandle comm) {
+inline void checkNccl(Nccl& nccl, NcclResult r, const char* call, const Described& where, NcclCommHandle comm) {
   if (r == NcclResult::Success || r == NcclResult::InProgress) return;
   auto kind = (r == NcclResult::RemoteError || r == NcclResult::SystemError) ? CommErrorKind::PeerGone
                                                                               : CommErrorKind::Local;
@@ -77,13 +80,25 @@ struct CommSlot {
   int peerIndex(int groupRank) const { return lowRank < 0 ? groupRank : (groupRank == lowRank ? 0 : 1); }
 };
 
+// One NCCL call of a launch, by value: what Launch::issue passes to NCCL inside the group.
+// Ranks are group ranks (translated to the communicator's at the call).
+struct NcclCall {
+  enum Kind : uint8_t { AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, Send, Recv } kind;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;
+  NcclType type = NcclType::Uint8;
+  int opSlot = -1;  // reductions: Launch::redOp's slot
+  int peer = -1;    // root or peer
+};
+
 // One enqueue: an op, or a coalesced batch of ops, on one communicator and one stream. Ops
 // describe themselves into it in three phases, so that no copy ever runs inside an open NCCL
-// group (kernels launched there would run before the group's, not after).
+// group (kernels launched there would run before the group's, not after). The common op (one
+// contiguous tensor, one NCCL call) allocates nothing here: calls are plain records and the
+// lists keep their first entries inline.
 class Launch {
  public:
-  using Call = std::function<NcclResult(const Launch&)>;
-
   Launch(Device& dev, CommSlot& slot, Stream stream) : dev_(dev), slot_(slot), stream_(stream) {}
 
   // ---- phase 1, on the stream before the NCCL calls: staging ----
@@ -120,19 +135,37 @@ class Launch {
     return static_cast<int>(ops_.size() - 1);
   }
   // ---- phase 2, inside one group, under the communicator lock ----
-  void nccl(Call c) { calls_.push_back(std::move(c)); }
+  // Counts are in elements of `type` (bytes for the byte-wise ones). The tensors are held until
+  // the group has ended (stream order keeps staging buffers safe after that).
+  void allReduce(const at::Tensor& buf, size_t count, NcclType type, int opSlot) {
+    call({NcclCall::AllReduce, buf.data_ptr(), buf.data_ptr(), count, type, opSlot, -1}, buf);
+  }
+  void broadcast(const at::Tensor& from, const at::Tensor& to, size_t bytes, int root) {
+    call({NcclCall::Broadcast, from.data_ptr(), to.data_ptr(), bytes, NcclType::Uint8, -1, root}, from, to);
+  }
+  void reduce(const at::Tensor& from, const at::Tensor& to, size_t count, NcclType type, int opSlot, int root) {
+    call({NcclCall::Reduce, from.data_ptr(), to.data_ptr(), count, type, opSlot, root}, from, to);
+  }
+  // `bytes` per rank, gathered into `to` at `dst`.
+  void allGather(const at::Tensor& from, const at::Tensor& to, void* dst, size_t bytes) {
+    call({NcclCall::AllGather, from.data_ptr(), dst, bytes, NcclType::Uint8, -1, -1}, from, to);
+  }
+  // `count` elements per rank, from `from` at `src`.
+  void reduceScatter(const at::Tensor& from, const void* src, const at::Tensor& to, size_t count, NcclType type,
+                     int opSlot) {
+    call({NcclCall::ReduceScatter, src, to.data_ptr(), count, type, opSlot, -1}, from, to);
+  }
+  void send(const at::Tensor& from, size_t bytes, int peer) {
+    call({NcclCall::Send, from.data_ptr(), nullptr, bytes, NcclType::Uint8, -1, peer}, from);
+  }
+  void recv(const at::Tensor& to, size_t bytes, int peer) {
+    call({NcclCall::Recv, nullptr, to.data_ptr(), bytes, NcclType::Uint8, -1, peer}, to);
+  }
   // ---- phase 3, after the group, on the stream ----
   void after(std::function<void()> f) { afters_.push_back(std::move(f)); }
 
-  // For calls:
-  NcclCommHandle comm() const { return handle_; }
-  const Stream& stream() const { return stream_; }
-  NcclRedOp op(int slot) const { return ops_.at(static_cast<size_t>(slot)).op; }
-  int peer(int groupRank) const { return slot_.peerIndex(groupRank); }
-  Nccl& api() const { return slot_.comm->nccl(); }
-
   // Runner: phases 1 and 2. Throws CommError (the group must then be failed).
-  void issue(Clock::time_point deadline, const std::string& where) {
+  void issue(Clock::time_point deadline, const Described& where) {
     if (!stages_.empty()) {
       dev_.enqueue(stream_, [fs = std::move(stages_)]() {
         for (const auto& f : fs) f();
@@ -143,40 +176,41 @@ class Launch {
     NcclComm& comm = *slot_.comm;
     Nccl& api = comm.nccl();
     auto lk = comm.lock(where);
-    handle_ = comm.get();
-    std::vector<NcclRedOp> created;
+    const NcclCommHandle handle = comm.get();
+    c10::SmallVector<NcclRedOp, 2> created;
     for (auto& s : ops_) {
       s.op = s.plan.op;
       if (!s.plan.premul) continue;
       alignas(8) unsigned char host[8] = {};
       NcclResult r;
       if (s.scalar.defined()) {
-        r = api.redOpCreatePreMulSum(&s.op, s.scalar.data_ptr(), s.plan.type, ScalarResidence::Device, handle_);
+        r = api.redOpCreatePreMulSum(&s.op, s.scalar.data_ptr(), s.plan.type, ScalarResidence::Device, handle);
       } else {
         premulScalar(s.plan.type, s.plan.factor, host);
-        r = api.redOpCreatePreMulSum(&s.op, host, s.plan.type, ScalarResidence::HostImmediate, handle_);
+        r = api.redOpCreatePreMulSum(&s.op, host, s.plan.type, ScalarResidence::HostImmediate, handle);
       }
-      checkNccl(api, r, "ncclRedOpCreatePreMulSum", where, handle_);
+      checkNccl(api, r, "ncclRedOpCreatePreMulSum", where, handle);
       created.push_back(s.op);
     }
-    checkNccl(api, api.groupStart(), "ncclGroupStart", where, handle_);
+    checkNccl(api, api.groupStart(), "ncclGroupStart", where, handle);
     try {
       for (const auto& c : calls_) {
         // Aborted from another thread while this one was stuck inside NCCL: the handle is gone.
         if (comm.aborted()) throw CommError(CommErrorKind::Aborted, where + ": the NCCL communicator was aborted");
-        checkNccl(api, c(*this), "an NCCL call", where, handle_);
+        checkNccl(api, make(api, c, handle), "an NCCL call", where, handle);
       }
     } catch (...) {
       (void)api.groupEnd();  // keep this thread's group depth right; the group is failed next
       throw;
     }
     NcclResult r = api.groupEnd();
-    checkNccl(api, r, "ncclGroupEnd", where, handle_);
+    checkNccl(api, r, "ncclGroupEnd", where, handle);
     comm.settle(lk, r, deadline, where);
     // "An operator may be destroyed as soon as the last NCCL function given it returns": that is
     // the group end.
-    for (auto op : created) (void)api.redOpDestroy(op, handle_);
-    calls_.clear();  // drops the staging buffers the calls captured: stream order keeps them safe
+    for (auto op : created) (void)api.redOpDestroy(op, handle);
+    calls_.clear();
+    held_.clear();  // the staging buffers: stream order keeps them safe from here on
   }
   // Runner: phase 3.
   void finish() {
@@ -193,14 +227,39 @@ class Launch {
     at::Tensor scalar;  // device premul factor
     NcclRedOp op;
   };
+  template <class... T>
+  void call(const NcclCall& c, const T&... hold) {
+    calls_.push_back(c);
+    (held_.push_back(hold), ...);
+  }
+  NcclResult make(Nccl& api, const NcclCall& c, NcclCommHandle h) const {
+    const NcclRedOp op = c.opSlot >= 0 ? ops_[static_cast<size_t>(c.opSlot)].op : kNcclSum;
+    switch (c.kind) {
+      case NcclCall::AllReduce:
+        return api.allReduce(c.send, c.recv, c.count, c.type, op, h, stream_);
+      case NcclCall::Broadcast:
+        return api.broadcast(c.send, c.recv, c.count, c.type, slot_.peerIndex(c.peer), h, stream_);
+      case NcclCall::Reduce:
+        return api.reduce(c.send, c.recv, c.count, c.type, op, slot_.peerIndex(c.peer), h, stream_);
+      case NcclCall::AllGather:
+        return api.allGather(c.send, c.recv, c.count, c.type, h, stream_);
+      case NcclCall::ReduceScatter:
+        return api.reduceScatter(c.send, c.recv, c.count, c.type, op, h, stream_);
+      case NcclCall::Send:
+        return api.send(c.send, c.count, c.type, slot_.peerIndex(c.peer), h, stream_);
+      case NcclCall::Recv:
+        return api.recv(c.recv, c.count, c.type, slot_.peerIndex(c.peer), h, stream_);
+    }
+    return NcclResult::InvalidArgument;
+  }
   Device& dev_;
   CommSlot& slot_;
   Stream stream_;
-  NcclCommHandle handle_ = nullptr;
-  std::vector<std::function<void()>> stages_;
-  std::vector<Call> calls_;
-  std::vector<std::function<void()>> afters_;
-  std::vector<OpSlot> ops_;
+  c10::SmallVector<std::function<void()>, 1> stages_;
+  c10::SmallVector<NcclCall, 2> calls_;
+  c10::SmallVector<at::Tensor, 4> held_;
+  c10::SmallVector<std::function<void()>, 1> afters_;
+  c10::SmallVector<OpSlot, 1> ops_;
 };
 
 // Which communicator an op runs on.
@@ -209,18 +268,16 @@ struct Target {
   int peer = -1;  // Pair: the other group rank
 };
 
-// One op waiting to be issued: its Work, the caller's tensors the stream will touch, and how it
-// stages and issues itself.
+// How an op stages and issues itself into a Launch, reading its tensors from its Work.
+using PrepareRef = c10::function_ref<void(Launch&, const NcclWork&)>;
+using Prepare = std::function<void(Launch&, const NcclWork&)>;
+
+// One op held back in a coalescing block: its Work (which holds the caller's tensors the
+// stream will touch) and how it launches.
 struct Item {
   NcclWorkPtr work;
-  std::vector<at::Tensor> keep;
-  std::function<void(Launch&)> prepare;
+  Prepare prepare;
 };
-
-inline std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::Tensor>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 // Sends to and receives from this rank itself outside a batch, matched per tag in posting
 // order: NCCL would need both in one group, so the pair becomes one device copy once both
@@ -258,6 +315,7 @@ struct NcclEngine::Impl {
   std::mutex issueMu;
   std::map<std::string, std::unique_ptr<CommSlot>> slots;  // by key, see groupSlot/pairSlot
   std::map<int, std::string> groupKeyOf;                   // device -> key of its group slot
+  std::vector<CommSlot*> groupSlotOf, pairSlotOf;          // caches: by device, by peer (null: look up)
   std::map<std::string, int> creations;                    // store-key attempts per slot key
   int groupComms = 0;
   int splits = 0;  // splitParts calls (names the communicators they make)
@@ -290,13 +348,14 @@ struct NcclEngine::Impl {
     if (closed) throwDistError("myccl: " + info.describe() + ": the group has been shut down");
   }
 
-  NcclWorkPtr makeWork(const OpInfo& info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+  NcclWorkPtr makeWork(OpInfo info, std::vector<at::Tensor>&& inputs, std::vector<at::Tensor>&& outputs,
                        c10::Device device) {
-    auto w = c10::make_intrusive<NcclWork>(info, std::move(inputs), std::move(outputs), device, rt.device, watchdog,
-                                           cfg.blockingWait);
+    auto w = c10::make_intrusive<NcclWork>(std::move(info), std::move(inputs), std::move(outputs), device, rt.device,
+                                           watchdog, cfg.blockingWait);
     if (recorder) {
-      const bool p2p = info.type == c10d::OpType::SEND || info.type == c10d::OpType::RECV;
-      w->setRecord(recorder, recorder->queued(info, p2p));
+      const auto type = w->info().type;
+      const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV;
+      w->setRecord(recorder, recorder->queued(w->info(), p2p));
     }
     return w;
   }
@@ -314,22 +373,22 @@ struct NcclEngine::Impl {
 
   // ---- communicators (Comms.cpp) ----
   // The group's communicator on `device` (made on first use: collective over the group).
-  CommSlot& groupSlot(int device, Clock::time_point deadline, const std::string& where);
+  CommSlot& groupSlot(int device, Clock::time_point deadline, const Described& where);
   // The two-rank communicator with `peer` on `device` (made on first use by these two only).
-  CommSlot& pairSlot(int peer, int device, Clock::time_point deadline, const std::string& where);
-  CommSlot& slotFor(const Target& target, int device, Clock::time_point deadline, const std::string& where);
+  CommSlot& pairSlot(int peer, int device, Clock::time_point deadline, const Described& where);
+  CommSlot& slotFor(const Target& target, int device, Clock::time_point deadline, const Described& where);
   // Makes the communicator of `members` (group ranks, in the communicator's rank order; the first
   // makes the id) under `key`, which every member derives alike; bounded by `deadline`,
   // interrupted by abort(). `pair`: a two-rank point-to-point communicator.
   CommSlot& create(const std::string& key, const std::vector<int>& members, bool pair, int device,
-                   Clock::time_point deadline, const std::string& where);
+                   Clock::time_point deadline, const Described& where);
   // Registers a made communicator as the slot `key` (watchdog, stream, ready event).
   CommSlot& addSlot(const std::string& key, std::shared_ptr<NcclComm> comm, int device, int lowRank);
   // A new pair communicator's connections, both directions at once, the same on both sides.
-  void connectPair(CommSlot& slot, Clock::time_point deadline, const std::string& where);
+  void connectPair(CommSlot& slot, Clock::time_point deadline, const Described& where);
   // Waits for keys other ranks publish, in short slices so that abort() is noticed.
   void awaitKeys(const std::vector<std::string>& keys, const std::vector<int>& ranks, Clock::time_point deadline,
-                 const std::string& what, const std::string& where);
+                 const std::string& what, const Described& where);
 
   // ---- issuing (NcclEngine.cpp) ----
   struct Issued {
@@ -338,20 +397,45 @@ struct NcclEngine::Impl {
     std::shared_ptr<NcclComm> comm;
     bool captured;
   };
-  // Issues `items` (one op, or a coalesced batch) as one group on one stream; `extra` are Works
-  // that complete with them (the coalesced batch's own Work). Any failure here fails the group:
-  // peers may already be inside this op, and skipping it would misalign every later op.
-  Issued run(std::vector<Item>& items, c10::Device device, const Target& target, bool asyncOp, const OpInfo& info,
-             const std::vector<NcclWorkPtr>& extra);
+  // Issues one op, or a coalesced batch (`prepare` stages and issues them all), as one group on
+  // one stream. `works` complete with it: the ops' Works (whose tensors the stream touches) and a
+  // block's own Work. Any failure here fails the group: peers may already be inside this op, and
+  // skipping it would misalign every later op.
+  Issued run(c10::function_ref<void(Launch&)> prepare, c10::ArrayRef<NcclWorkPtr> works, c10::Device device,
+             const Target& target, bool asyncOp, const OpInfo& info);
   // Completes the Works' futures and hands them to the watchdog. Outside issueMu: future
   // callbacks run inline here and may well issue the next op.
-  void publish(const std::vector<Item>& items, const std::vector<NcclWorkPtr>& extra, const Issued& where);
-  void failGroup(std::vector<Item>& items, const std::vector<NcclWorkPtr>& extra, const std::string& why,
-                 bool timedOut);
-  // Every op goes through here.
-  NcclEngine::WorkPtr submit(const OpInfo& info, c10::Device device, bool asyncOp, std::vector<at::Tensor> inputs,
-                             std::vector<at::Tensor> outputs, std::function<void(Launch&)> prepare,
-                             Target target = {}, bool hostSync = false);
+  void publish(c10::ArrayRef<NcclWorkPtr> works, const Issued& where);
+  void failGroup(c10::ArrayRef<NcclWorkPtr> works, const std::string& why, bool timedOut);
+  // Every op goes through here. `prepare` is called before submit returns, and never copied,
+  // unless a coalescing block is open: the block keeps it for its end.
+  // The Work takes `info` over.
+  template <class F>
+  NcclEngine::WorkPtr submit(OpInfo&& info, c10::Device device, bool asyncOp, std::vector<at::Tensor>&& inputs,
+                             std::vector<at::Tensor>&& outputs, F&& prepare, Target target = {},
+                             bool hostSync = false) {
+    NcclWorkPtr work = admit(std::move(info), device, std::move(inputs), std::move(outputs), hostSync);
+    if (isCoalescing()) {
+      Prepare kept(std::forward<F>(prepare));
+      if (!defer(work, kept, device)) issueOne(work, kept, device, target, asyncOp);
+      return work;
+    }
+    issueOne(work, prepare, device, target, asyncOp);
+    return work;
+  }
+  // The Work of a new op, once the group is known to be usable (and, under MYCCL_DEBUG=DETAIL,
+  // the ranks agree on the op).
+  NcclWorkPtr admit(OpInfo&& info, c10::Device device, std::vector<at::Tensor>&& inputs,
+                    std::vector<at::Tensor>&& outputs, bool hostSync);
+  // Holds the op back in the open coalescing block; false when none is open.
+  bool defer(const NcclWorkPtr& work, Prepare& prepare, c10::Device device);
+  void issueOne(const NcclWorkPtr& work, PrepareRef prepare, c10::Device device, const Target& target, bool asyncOp);
+  // An event for an op's end (or start, `timing`), reused once no Work holds it: making a CUDA
+  // event per op costs the host (torch keeps a cache of them too). Not for captured ops.
+  std::shared_ptr<Event> pooledEvent(bool timing);
+  std::mutex eventMu;
+  std::vector<std::shared_ptr<Event>> eventPool[2];  // [timing]
+  size_t eventNext[2] = {0, 0};
   void dropDeferred(const std::string& why);
   // A send to / receive from this rank itself (outside a batch).
   NcclEngine::WorkPtr postSelf(const OpInfo& info, at::Tensor t, int tag, bool isSend);

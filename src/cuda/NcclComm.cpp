@@ -54,7 +54,7 @@ NcclComm::~NcclComm() {
   abortLocked();
 }
 
-void NcclComm::init(const NcclUniqueId& id, int rank, int size, Clock::time_point deadline, const std::string& where) {
+void NcclComm::init(const NcclUniqueId& id, int rank, int size, Clock::time_point deadline, const Described& where) {
   DeviceGuard guard(*rt_.device, device_);
   NcclCommConfig config;
   config.blocking = blocking_;
@@ -85,7 +85,7 @@ void NcclComm::init(const NcclUniqueId& id, int rank, int size, Clock::time_poin
   }
 }
 
-bool NcclComm::split(NcclComm& parent, int color, int key, Clock::time_point deadline, const std::string& where) {
+bool NcclComm::split(NcclComm& parent, int color, int key, Clock::time_point deadline, const Described& where) {
   DeviceGuard guard(*rt_.device, device_);
   NcclCommConfig config;
   config.blocking = blocking_;
@@ -98,7 +98,7 @@ bool NcclComm::split(NcclComm& parent, int color, int key, Clock::time_point dea
   return comm_ != nullptr;
 }
 
-void NcclComm::finishCreation(Lock& lk, NcclResult r, Clock::time_point deadline, const std::string& where,
+void NcclComm::finishCreation(Lock& lk, NcclResult r, Clock::time_point deadline, const Described& where,
                               const std::string& what) {
   if (r != NcclResult::Success && r != NcclResult::InProgress) {
     std::string text = ncclErrorText(*rt_.nccl, r, comm_);
@@ -119,7 +119,7 @@ void NcclComm::finishCreation(Lock& lk, NcclResult r, Clock::time_point deadline
   ready_ = true;
 }
 
-NcclComm::Lock NcclComm::lock(const std::string& where) {
+NcclComm::Lock NcclComm::lock(const Described& where) {
   Lock lk(mu_);
   if (dead_) {
     throw CommError(CommErrorKind::Aborted, where + ": the NCCL communicator '" + name_ + "' for cuda:" +
@@ -128,7 +128,7 @@ NcclComm::Lock NcclComm::lock(const std::string& where) {
   return lk;
 }
 
-void NcclComm::settle(Lock& lk, NcclResult r, Clock::time_point deadline, const std::string& where) {
+void NcclComm::settle(Lock& lk, NcclResult r, Clock::time_point deadline, const Described& where) {
   Backoff backoff;
   while (r == NcclResult::InProgress) {
     // NCCL forbids any other call on the communicator (and kernels on its streams) until it
@@ -209,7 +209,7 @@ bool NcclComm::finalize(Clock::time_point deadline) {
     if (r != NcclResult::Success && r != NcclResult::InProgress) {
       throw CommError(kindOf(r), ncclErrorText(*rt_.nccl, r, comm_));
     }
-    settle(lk, r, deadline, "finalize");
+    settle(lk, r, deadline, std::string("finalize"));
   } catch (const CommError&) {
     abortLocked();
     return false;

@@ -33,113 +33,143 @@ NcclEngine::Impl::Impl(c10::intrusive_ptr<c10d::Store> s, std::string keyPrefix,
   // The watchdog's thread starts with the first communicator, on that communicator's device.
 }
 
-NcclEngine::Impl::Issued NcclEngine::Impl::run(std::vector<Item>& items, c10::Device device, const Target& target,
-                                               bool asyncOp, const OpInfo& info, const std::vector<NcclWorkPtr>& extra) {
-  const std::string where = info.describe();
+std::shared_ptr<Event> NcclEngine::Impl::pooledEvent(bool timing) {
+  constexpr size_t kLook = 4;      // candidates looked at before making another
+  constexpr size_t kMax = 1 << 12;  // past this many in flight, events are not kept
+  std::lock_guard<std::mutex> lk(eventMu);
+  auto& pool = eventPool[timing];
+  size_t& next = eventNext[timing];
+  for (size_t k = 0; k < std::min(kLook, pool.size()); ++k) {
+    next = (next + 1) % pool.size();
+    // Held by the pool alone: no Work (nor anything a Work gave it to) can still query it, and
+    // no new holder can appear but through this lock.
+    if (pool[next].use_count() == 1) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      return pool[next];
+    }
+  }
+  std::shared_ptr<Event> e(dev.newEvent(timing));
+  if (pool.size() < kMax) pool.push_back(e);
+  return e;
+}
+
+NcclEngine::Impl::Issued NcclEngine::Impl::run(c10::function_ref<void(Launch&)> prepare,
+                                               c10::ArrayRef<NcclWorkPtr> works, c10::Device device,
+                                               const Target& target, bool asyncOp, const OpInfo& info) {
+  const Described where(info);  // the op's description, built only if an error names it
   const int idx = device.index();
   try {
     DeviceGuard deviceGuard(dev, idx);
     CommSlot& slot = slotFor(target, idx, Clock::now() + info.timeout, where);
     const Stream current = dev.currentStream(idx);
     const bool captured = dev.isCapturing(current);
+    // A synchronous op runs on the caller's current stream itself (as torch's does): nothing to
+    // order it after, no second stream for the allocator to know about.
     const Stream stream = asyncOp ? slot.stream : current;
     if (asyncOp) {
       // The op's stream starts after everything the caller enqueued so far (inputs are ready).
       slot.ready->record(current);
       slot.ready->block(stream);
     }
+    const bool timing = cfg.enableTiming && !captured;
     std::shared_ptr<Event> start;
-    if (cfg.enableTiming && !captured) {
-      start = dev.newEvent(/*timing=*/true);
+    if (timing) {
+      start = pooledEvent(/*timing=*/true);
       start->record(stream);
     }
     Launch launch(dev, slot, stream);
-    for (auto& it : items) it.prepare(launch);
+    prepare(launch);
     launch.issue(Clock::now() + info.timeout, where);
     launch.finish();
-    std::shared_ptr<Event> end = dev.newEvent(cfg.enableTiming && !captured);
+    std::shared_ptr<Event> end = captured ? std::shared_ptr<Event>(dev.newEvent(false)) : pooledEvent(timing);
     end->record(stream);
-    if (asyncOp && !cfg.avoidRecordStreams) {
+    // A captured Work is never tracked (nothing sees it finish), so it cannot be what keeps its
+    // tensors: those are recordStream'ed whatever the setting.
+    if (asyncOp && (!cfg.avoidRecordStreams || captured)) {
       // The caller may drop its tensors at once; the allocator must not hand their memory to
-      // the caller's stream before the op's stream is done with it.
-      for (auto& it : items) {
-        for (auto& t : it.keep) {
-          if (t.defined() && t.storage().nbytes() > 0) dev.recordStream(t, stream);
-        }
+      // the caller's stream before the op's stream is done with it. Once per storage (in place,
+      // inputs and outputs are the same tensors; a block's Work repeats its ops' outputs).
+      c10::SmallVector<const c10::StorageImpl*, 8> seen;
+      auto once = [&](const at::Tensor& t) {
+        if (!t.defined() || t.storage().nbytes() == 0) return;
+        const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+        if (std::find(seen.begin(), seen.end(), s) != seen.end()) return;
+        seen.push_back(s);
+        dev.recordStream(t, stream);
+      };
+      for (const auto& w : works) {
+        for (const auto& t : w->inputs()) once(t);
+        for (const auto& t : w->outputs()) once(t);
       }
     }
-    // (avoidRecordStreams: each Work holds its tensors until the watchdog sees it finished.)
+    // (Otherwise each Work holds its tensors until the watchdog sees it finished, as torch's
+    // stashes them: no allocator call per op.)
     lastDevice = idx;
     return Issued{std::move(start), std::move(end), stream, slot.comm, captured};
   } catch (const CommError& e) {
-    failGroup(items, extra, e.what(), e.kind() == CommErrorKind::Timeout);
+    failGroup(works, e.what(), e.kind() == CommErrorKind::Timeout);
     throwDistError(std::string("myccl: ") + e.what());
   } catch (const std::exception& e) {
     // Keep the exception's type (OutOfMemoryError, DistBackendError, ...) for the caller.
-    failGroup(items, extra, where + ": could not be issued: " + errorText(e), false);
+    failGroup(works, where + ": could not be issued: " + errorText(e), false);
     throw;
   }
 }
 
-void NcclEngine::Impl::publish(const std::vector<Item>& items, const std::vector<NcclWorkPtr>& extra,
-                               const Issued& where) {
+void NcclEngine::Impl::publish(c10::ArrayRef<NcclWorkPtr> works, const Issued& where) {
   std::exception_ptr callbackError;
-  auto one = [&](const NcclWorkPtr& w) {
+  for (const auto& w : works) {
     try {
       w->launched(where.start, where.end, where.stream, where.comm, where.captured);
     } catch (...) {
       if (!callbackError) callbackError = std::current_exception();  // a callback threw; the op is issued
     }
     if (!where.captured) watchdog->track(w);
-  };
-  for (const auto& it : items) one(it.work);
-  for (const auto& w : extra) one(w);
+  }
   if (callbackError) std::rethrow_exception(callbackError);
 }
 
-void NcclEngine::Impl::failGroup(std::vector<Item>& items, const std::vector<NcclWorkPtr>& extra,
-                                 const std::string& why, bool timedOut) {
+void NcclEngine::Impl::failGroup(c10::ArrayRef<NcclWorkPtr> works, const std::string& why, bool timedOut) {
   // A failure while issuing surfaces to the caller as an exception: nothing to take down.
   watchdog->fail(why, timedOut);
-  for (auto& it : items) {
-    if (!it.work->isLaunched()) it.work->fail("myccl: " + why);
-  }
-  for (auto& w : extra) {
+  for (const auto& w : works) {
     if (!w->isLaunched()) w->fail("myccl: " + why);
   }
 }
 
-NcclEngine::WorkPtr NcclEngine::Impl::submit(const OpInfo& info, c10::Device device, bool asyncOp,
-                                             std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
-                                             std::function<void(Launch&)> prepare, Target target, bool hostSync) {
+NcclWorkPtr NcclEngine::Impl::admit(OpInfo&& info, c10::Device device, std::vector<at::Tensor>&& inputs,
+                                    std::vector<at::Tensor>&& outputs, bool hostSync) {
   checkOpen(info);
-  if (agree && target.kind == Target::Group) agree(info);
-  if (!timeoutFixed) timeout = info.timeout;
-  auto work = makeWork(info, inputs, outputs, device);
+  if (agree && info.type != c10d::OpType::SEND && info.type != c10d::OpType::RECV) agree(info);
+  if (!timeoutFixed && timeout.load() != info.timeout) timeout = info.timeout;
+  auto work = makeWork(std::move(info), std::move(inputs), std::move(outputs), device);
   if (hostSync) work->setHostSync();
-  Item item{work, concat(std::move(inputs), outputs), std::move(prepare)};
-  {
-    std::lock_guard<std::mutex> lk(coalesceMu);
-    if (coalescing) {
-      MYCCL_CHECK(!deferredDevice || *deferredDevice == device, info.describe(),
-                  ": all CUDA ops of one coalescing block must use one device; this one uses ", device,
-                  ", earlier ones ", *deferredDevice);
-      deferredDevice = device;
-      work->setInBlock();
-      deferred.push_back(std::move(item));
-      return work;
-    }
-  }
-  std::vector<Item> items;
-  items.push_back(std::move(item));
+  return work;
+}
+
+bool NcclEngine::Impl::defer(const NcclWorkPtr& work, Prepare& prepare, c10::Device device) {
+  std::lock_guard<std::mutex> lk(coalesceMu);
+  if (!coalescing) return false;
+  MYCCL_CHECK(!deferredDevice || *deferredDevice == device, work->info().describe(),
+              ": all CUDA ops of one coalescing block must use one device; this one uses ", device,
+              ", earlier ones ", *deferredDevice);
+  deferredDevice = device;
+  work->setInBlock();
+  deferred.push_back(Item{work, std::move(prepare)});
+  return true;
+}
+
+void NcclEngine::Impl::issueOne(const NcclWorkPtr& work, PrepareRef prepare, c10::Device device, const Target& target,
+                                bool asyncOp) {
+  const OpInfo& info = work->info();
+  const c10::ArrayRef<NcclWorkPtr> works(work);
   std::optional<Issued> issued;
   {
     std::lock_guard<std::mutex> lk(issueMu);
     checkOpen(info);
-    issued.emplace(run(items, device, target, asyncOp, info, {}));
+    issued.emplace(run([&](Launch& L) { prepare(L, *work); }, works, device, target, asyncOp, info));
   }
-  publish(items, {}, *issued);
-  return work;
+  publish(works, *issued);
 }
 
 void NcclEngine::Impl::dropDeferred(const std::string& why) {
@@ -259,23 +289,30 @@ NcclEngine::WorkPtr NcclEngine::endCoalescing(const OpInfo& info) {
   if (items.empty()) return {};  // no CUDA op in the block
   std::vector<at::Tensor> outs;
   for (auto& it : items) {
-    for (auto& t : it.work->result()) outs.push_back(t);
+    for (auto& t : it.work->outputs()) outs.push_back(t);
   }
-  auto batch = impl_->makeWork(info, {}, outs, *device);
+  auto batch = impl_->makeWork(info, {}, std::move(outs), *device);
   try {
     impl_->checkOpen(info);
   } catch (const std::exception& e) {
     for (auto& it : items) it.work->fail("myccl: " + it.work->info().describe() + ": not issued: " + errorText(e));
     throw;
   }
+  std::vector<NcclWorkPtr> works;
+  works.reserve(items.size() + 1);
+  for (auto& it : items) works.push_back(it.work);
+  works.push_back(batch);
+  auto prepareAll = [&items](Launch& L) {
+    for (auto& it : items) it.prepare(L, *it.work);
+  };
   std::optional<Impl::Issued> issued;
   {
     std::lock_guard<std::mutex> lk(impl_->issueMu);
     // A batch (batch_isend_irecv, or collectives) runs on the group's communicator, as torch's
     // does: its sends and receives may involve any ranks, self included.
-    issued.emplace(impl_->run(items, *device, Target{}, /*asyncOp=*/true, info, {batch}));
+    issued.emplace(impl_->run(prepareAll, works, *device, Target{}, /*asyncOp=*/true, info));
   }
-  impl_->publish(items, {batch}, *issued);
+  impl_->publish(works, *issued);
   return batch;
 }
 

@@ -6,56 +6,49 @@
 
 namespace myccl::cuda {
 
-namespace {
-constexpr NcclType kBytes = NcclType::Uint8;
-}
-
 // ---- collectives ---------------------------------------------------------------------------
 
 NcclEngine::WorkPtr NcclEngine::broadcast(OpInfo info, at::Tensor t, int root) {
   const bool isRoot = info.rank == root;
-  return impl_->submit(info, impl_->dev.deviceOf(t), info.asyncOp, {t}, {t}, [t, root, isRoot](Launch& L) {
+  auto launch = [root, isRoot](Launch& L, const NcclWork& w) {
+    const at::Tensor& t = w.outputs()[0];
     if (t.numel() == 0) return;
     at::Tensor buf = L.buffer(t, t.scalar_type(), /*copyIn=*/isRoot, /*copyBack=*/!isRoot);
-    const size_t n = nbytesOf(buf);
-    L.nccl([buf, n, root](const Launch& l) {
-      return l.api().broadcast(buf.data_ptr(), buf.data_ptr(), n, kBytes, l.peer(root), l.comm(), l.stream());
-    });
-  });
+    L.broadcast(buf, buf, nbytesOf(buf), root);
+  };
+  const auto dev = impl_->dev.deviceOf(t);
+  return impl_->submit(std::move(info), dev, info.asyncOp, {t}, {t}, std::move(launch));
 }
 
 NcclEngine::WorkPtr NcclEngine::allreduce(OpInfo info, std::vector<at::Tensor> tensors, const Reduction& red) {
   const auto dev = impl_->dev.deviceOf(tensors.at(0));
   const NcclReduce plan = impl_->plan(red, info, dev);
   // A list is coalesced: one allreduce per tensor, all in one group.
-  return impl_->submit(info, dev, info.asyncOp, tensors, tensors, [tensors, plan](Launch& L) {
-    for (const auto& t : tensors) {
+  auto launch = [plan](Launch& L, const NcclWork& w) {
+    for (const auto& t : w.outputs()) {
       if (t.numel() == 0) continue;
       at::Tensor buf = L.buffer(t, plan.stage, true, true);
       const int slot = L.redOp(plan);
-      const size_t count = static_cast<size_t>(buf.numel() * plan.perElement);
-      L.nccl([buf, count, plan, slot](const Launch& l) {
-        return l.api().allReduce(buf.data_ptr(), buf.data_ptr(), count, plan.type, l.op(slot), l.comm(), l.stream());
-      });
+      L.allReduce(buf, static_cast<size_t>(buf.numel() * plan.perElement), plan.type, slot);
     }
-  });
+  };
+  std::vector<at::Tensor> inputs(tensors);
+  return impl_->submit(std::move(info), dev, info.asyncOp, std::move(inputs), std::move(tensors), std::move(launch));
 }
 
 NcclEngine::WorkPtr NcclEngine::reduce(OpInfo info, at::Tensor t, const Reduction& red, int root) {
   const auto dev = impl_->dev.deviceOf(t);
   const NcclReduce plan = impl_->plan(red, info, dev);
   const bool isRoot = info.rank == root;
-  return impl_->submit(info, dev, info.asyncOp, {t}, {t}, [t, plan, root, isRoot](Launch& L) {
+  auto launch = [plan, root, isRoot](Launch& L, const NcclWork& w) {
+    const at::Tensor& t = w.outputs()[0];
     if (t.numel() == 0) return;
     // Only the root's buffer receives; the others' stay as they were.
     at::Tensor buf = L.buffer(t, plan.stage, true, /*copyBack=*/isRoot);
     const int slot = L.redOp(plan);
-    const size_t count = static_cast<size_t>(buf.numel() * plan.perElement);
-    L.nccl([buf, count, plan, slot, root](const Launch& l) {
-      return l.api().reduce(buf.data_ptr(), buf.data_ptr(), count, plan.type, l.op(slot), l.peer(root), l.comm(),
-                            l.stream());
-    });
-  });
+    L.reduce(buf, buf, static_cast<size_t>(buf.numel() * plan.perElement), plan.type, slot, root);
+  };
+  return impl_->submit(std::move(info), dev, info.asyncOp, {t}, {t}, std::move(launch));
 }
 
 NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> inputs,
@@ -64,7 +57,8 @@ NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> i
   for (auto& list : outputs) flatOut.insert(flatOut.end(), list.begin(), list.end());
   const int rank = info.rank;
   const auto dev = impl_->dev.deviceOf(inputs.at(0));
-  return impl_->submit(info, dev, info.asyncOp, inputs, flatOut, [inputs, outputs, rank](Launch& L) {
+  auto launch = [outputs = std::move(outputs), rank](Launch& L, const NcclWork& w) {
+    const auto& inputs = w.inputs();
     for (size_t k = 0; k < inputs.size(); ++k) {
       const at::Tensor& in = inputs[k];
       const auto& outs = outputs[k];
@@ -88,9 +82,7 @@ NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> i
           L.stage([copy, src]() mutable { copy.copy_(src); });
           src = copy;
         }
-        L.nccl([src, dst, dstPtr, each](const Launch& l) {
-          return l.api().allGather(src.data_ptr(), dstPtr, each, kBytes, l.comm(), l.stream());
-        });
+        L.allGather(src, dst, dstPtr, each);
         if (!direct) {
           L.after([dst, outs, n]() {
             for (size_t r = 0; r < outs.size(); ++r) {
@@ -106,37 +98,31 @@ NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> i
           if (n == 0) continue;
           at::Tensor dst = L.buffer(outs[r], outs[r].scalar_type(), false, true);
           at::Tensor from = static_cast<int>(r) == rank ? src : dst;  // sendbuff is only read on the root
-          const int root = static_cast<int>(r);
-          L.nccl([from, dst, n, root](const Launch& l) {
-            return l.api().broadcast(from.data_ptr(), dst.data_ptr(), n, kBytes, root, l.comm(), l.stream());
-          });
+          L.broadcast(from, dst, n, static_cast<int>(r));
         }
       }
     }
-  });
+  };
+  return impl_->submit(std::move(info), dev, info.asyncOp, std::move(inputs), std::move(flatOut), std::move(launch));
 }
 
 NcclEngine::WorkPtr NcclEngine::gather(OpInfo info, at::Tensor input, std::vector<at::Tensor> outputs, int root) {
   const int rank = info.rank;
+  const auto dev = impl_->dev.deviceOf(input);
   return impl_->submit(
-      info, impl_->dev.deviceOf(input), info.asyncOp, {input}, outputs, [input, outputs, root, rank](Launch& L) {
+      std::move(info), dev, info.asyncOp, {input}, std::move(outputs), [root, rank](Launch& L, const NcclWork& w) {
+        const at::Tensor& input = w.inputs()[0];
+        const auto& outputs = w.outputs();
         if (rank != root) {
           const size_t n = nbytesOf(input);
           if (n == 0) return;
-          at::Tensor src = L.buffer(input, input.scalar_type(), true, false);
-          L.nccl([src, n, root](const Launch& l) {
-            return l.api().send(src.data_ptr(), n, kBytes, root, l.comm(), l.stream());
-          });
+          L.send(L.buffer(input, input.scalar_type(), true, false), n, root);
           return;
         }
         for (size_t r = 0; r < outputs.size(); ++r) {
           const size_t n = nbytesOf(outputs[r]);
           if (static_cast<int>(r) == root || n == 0) continue;
-          at::Tensor dst = L.buffer(outputs[r], outputs[r].scalar_type(), false, true);
-          const int peer = static_cast<int>(r);
-          L.nccl([dst, n, peer](const Launch& l) {
-            return l.api().recv(dst.data_ptr(), n, kBytes, peer, l.comm(), l.stream());
-          });
+          L.recv(L.buffer(outputs[r], outputs[r].scalar_type(), false, true), n, static_cast<int>(r));
         }
         if (input.numel() > 0) {
           L.stage([own = outputs[root], input]() mutable { own.copy_(input); });  // own block: a local copy
@@ -146,25 +132,21 @@ NcclEngine::WorkPtr NcclEngine::gather(OpInfo info, at::Tensor input, std::vecto
 
 NcclEngine::WorkPtr NcclEngine::scatter(OpInfo info, std::vector<at::Tensor> inputs, at::Tensor output, int root) {
   const int rank = info.rank;
+  const auto dev = impl_->dev.deviceOf(output);
   return impl_->submit(
-      info, impl_->dev.deviceOf(output), info.asyncOp, inputs, {output}, [inputs, output, root, rank](Launch& L) {
+      std::move(info), dev, info.asyncOp, std::move(inputs), {output}, [root, rank](Launch& L, const NcclWork& w) {
+        const auto& inputs = w.inputs();
+        const at::Tensor& output = w.outputs()[0];
         if (rank != root) {
           const size_t n = nbytesOf(output);
           if (n == 0) return;
-          at::Tensor dst = L.buffer(output, output.scalar_type(), false, true);
-          L.nccl([dst, n, root](const Launch& l) {
-            return l.api().recv(dst.data_ptr(), n, kBytes, root, l.comm(), l.stream());
-          });
+          L.recv(L.buffer(output, output.scalar_type(), false, true), n, root);
           return;
         }
         for (size_t r = 0; r < inputs.size(); ++r) {
           const size_t n = nbytesOf(inputs[r]);
           if (static_cast<int>(r) == root || n == 0) continue;
-          at::Tensor src = L.buffer(inputs[r], inputs[r].scalar_type(), true, false);
-          const int peer = static_cast<int>(r);
-          L.nccl([src, n, peer](const Launch& l) {
-            return l.api().send(src.data_ptr(), n, kBytes, peer, l.comm(), l.stream());
-          });
+          L.send(L.buffer(inputs[r], inputs[r].scalar_type(), true, false), n, static_cast<int>(r));
         }
         if (output.numel() > 0) L.stage([output, own = inputs[root]]() mutable { output.copy_(own); });
       });
@@ -178,7 +160,8 @@ NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vect
   std::vector<at::Tensor> flatIn;
   for (auto& list : inputs) flatIn.insert(flatIn.end(), list.begin(), list.end());
   const int rank = info.rank;
-  return impl_->submit(info, dev, info.asyncOp, flatIn, outputs, [inputs, outputs, plan, rank](Launch& L) {
+  auto launch = [inputs = std::move(inputs), plan, rank](Launch& L, const NcclWork& w) {
+    const auto& outputs = w.outputs();
     for (size_t k = 0; k < outputs.size(); ++k) {
       const auto& ins = inputs[k];
       const at::Tensor& out = outputs[k];
@@ -209,10 +192,7 @@ NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vect
           L.after([out, fresh]() mutable { out.copy_(fresh); });
           dst = fresh;
         }
-        const size_t count = static_cast<size_t>(n * plan.perElement);
-        L.nccl([src, srcPtr, dst, count, plan, slot](const Launch& l) {
-          return l.api().reduceScatter(srcPtr, dst.data_ptr(), count, plan.type, l.op(slot), l.comm(), l.stream());
-        });
+        L.reduceScatter(src, srcPtr, dst, static_cast<size_t>(n * plan.perElement), plan.type, slot);
       } else {
         // Uneven blocks: one reduce per rank, rooted at the rank that keeps that block.
         for (size_t r = 0; r < ins.size(); ++r) {
@@ -220,23 +200,21 @@ NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vect
           if (m == 0) continue;
           at::Tensor src = L.buffer(ins[r], plan.stage, true, false);
           at::Tensor dst = static_cast<int>(r) == rank ? L.buffer(out, plan.stage, false, true) : src;
-          const size_t count = static_cast<size_t>(m * plan.perElement);
-          const int root = static_cast<int>(r);
-          L.nccl([src, dst, count, plan, slot, root](const Launch& l) {
-            return l.api().reduce(src.data_ptr(), dst.data_ptr(), count, plan.type, l.op(slot), root, l.comm(),
-                                  l.stream());
-          });
+          L.reduce(src, dst, static_cast<size_t>(m * plan.perElement), plan.type, slot, static_cast<int>(r));
         }
       }
     }
-  });
+  };
+  return impl_->submit(std::move(info), dev, info.asyncOp, std::move(flatIn), std::move(outputs), std::move(launch));
 }
 
 NcclEngine::WorkPtr NcclEngine::alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> /*userInputs*/) {
   const int rank = info.rank;
   const auto dev = impl_->dev.deviceOf(inputs.at(0));
-  return impl_->submit(info, dev, info.asyncOp, inputs, outputs, [inputs, outputs, rank](Launch& L) {
+  auto launch = [rank](Launch& L, const NcclWork& w) {
+    const auto& inputs = w.inputs();
+    const auto& outputs = w.outputs();
     for (size_t r = 0; r < inputs.size(); ++r) {
       const int peer = static_cast<int>(r);
       if (peer == rank) {
@@ -248,19 +226,14 @@ NcclEngine::WorkPtr NcclEngine::alltoall(OpInfo info, std::vector<at::Tensor> in
       // Sizes may differ per peer; each pair agrees on its own (what I send is what it expects).
       const size_t sendBytes = nbytesOf(inputs[r]), recvBytes = nbytesOf(outputs[r]);
       if (sendBytes > 0) {
-        at::Tensor src = L.buffer(inputs[r], inputs[r].scalar_type(), true, false);
-        L.nccl([src, sendBytes, peer](const Launch& l) {
-          return l.api().send(src.data_ptr(), sendBytes, kBytes, peer, l.comm(), l.stream());
-        });
+        L.send(L.buffer(inputs[r], inputs[r].scalar_type(), true, false), sendBytes, peer);
       }
       if (recvBytes > 0) {
-        at::Tensor dst = L.buffer(outputs[r], outputs[r].scalar_type(), false, true);
-        L.nccl([dst, recvBytes, peer](const Launch& l) {
-          return l.api().recv(dst.data_ptr(), recvBytes, kBytes, peer, l.comm(), l.stream());
-        });
+        L.recv(L.buffer(outputs[r], outputs[r].scalar_type(), false, true), recvBytes, peer);
       }
     }
-  });
+  };
+  return impl_->submit(std::move(info), dev, info.asyncOp, std::move(inputs), std::move(outputs), std::move(launch));
 }
 
 NcclEngine::WorkPtr NcclEngine::barrier(OpInfo info, at::Device device) {
@@ -271,13 +244,8 @@ NcclEngine::WorkPtr NcclEngine::barrier(OpInfo info, at::Device device) {
   Reduction sum;
   NcclReduce plan = planReduce(sum, argWhere(info));
   return impl_->submit(
-      info, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(idx)), /*asyncOp=*/true, {}, {token},
-      [token, plan](Launch& L) {
-        const int slot = L.redOp(plan);
-        L.nccl([token, plan, slot](const Launch& l) {
-          return l.api().allReduce(token.data_ptr(), token.data_ptr(), 1, plan.type, l.op(slot), l.comm(), l.stream());
-        });
-      },
+      std::move(info), c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(idx)), /*asyncOp=*/true, {}, {token},
+      [plan](Launch& L, const NcclWork& w) { L.allReduce(w.outputs()[0], 1, plan.type, L.redOp(plan)); },
       Target{}, /*hostSync=*/true);
 }
 
@@ -287,14 +255,12 @@ NcclEngine::WorkPtr NcclEngine::send(OpInfo info, at::Tensor t, int peer, int ta
   if (peer == info.rank && !impl_->isCoalescing()) return impl_->postSelf(info, t, tag, /*isSend=*/true);
   // Point-to-point always runs on its pair's stream: a send must not serialise the caller's stream.
   return impl_->submit(
-      info, impl_->dev.deviceOf(t), /*asyncOp=*/true, {t}, {t},
-      [t, peer](Launch& L) {
+      std::move(info), impl_->dev.deviceOf(t), /*asyncOp=*/true, {t}, {t},
+      [peer](Launch& L, const NcclWork& w) {
+        const at::Tensor& t = w.inputs()[0];
         const size_t n = nbytesOf(t);
         if (n == 0) return;
-        at::Tensor src = L.buffer(t, t.scalar_type(), true, false);
-        L.nccl([src, n, peer](const Launch& l) {
-          return l.api().send(src.data_ptr(), n, kBytes, l.peer(peer), l.comm(), l.stream());
-        });
+        L.send(L.buffer(t, t.scalar_type(), true, false), n, peer);
       },
       Target{Target::Pair, peer});
 }
@@ -302,14 +268,12 @@ NcclEngine::WorkPtr NcclEngine::send(OpInfo info, at::Tensor t, int peer, int ta
 NcclEngine::WorkPtr NcclEngine::recv(OpInfo info, at::Tensor t, int peer, int tag) {
   if (peer == info.rank && !impl_->isCoalescing()) return impl_->postSelf(info, t, tag, /*isSend=*/false);
   return impl_->submit(
-      info, impl_->dev.deviceOf(t), /*asyncOp=*/true, {}, {t},
-      [t, peer](Launch& L) {
+      std::move(info), impl_->dev.deviceOf(t), /*asyncOp=*/true, {}, {t},
+      [peer](Launch& L, const NcclWork& w) {
+        const at::Tensor& t = w.outputs()[0];
         const size_t n = nbytesOf(t);
         if (n == 0) return;
-        at::Tensor dst = L.buffer(t, t.scalar_type(), false, true);
-        L.nccl([dst, n, peer](const Launch& l) {
-          return l.api().recv(dst.data_ptr(), n, kBytes, l.peer(peer), l.comm(), l.stream());
-        });
+        L.recv(L.buffer(t, t.scalar_type(), false, true), n, peer);
       },
       Target{Target::Pair, peer});
 }

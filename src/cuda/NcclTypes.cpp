@@ -11,7 +11,7 @@
 
 namespace myccl::cuda {
 
-NcclReduce planReduce(const Reduction& red, const std::string& where) {
+NcclReduce planReduce(const Reduction& red, const Where& where) {
   NcclReduce p;
   const DType dt = red.spec.dtype;
   const RedOp op = red.spec.op;
@@ -72,7 +72,7 @@ bool isFloat8(DType dt) {
   return dt == DType::F8E4M3 || dt == DType::F8E5M2;
 }
 
-void checkFloat8(DType dt, const std::string& where, int ncclVersion, int computeCapability) {
+void checkFloat8(DType dt, const Where& where, int ncclVersion, int computeCapability) {
   // NCCL reduces float8 from 2.24 on, and only on Hopper (compute capability 9.0) or newer.
   MYCCL_CHECK_ARG(ncclVersion >= kNcclFloat8Version, where, ": reductions of ", dtypeName(dt),
                   " need NCCL 2.24 or newer, this process loaded NCCL ", ncclVersionText(ncclVersion),

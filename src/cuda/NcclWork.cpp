@@ -16,18 +16,19 @@ namespace myccl::cuda {
 
 NcclWork::NcclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs, c10::Device device,
                    std::shared_ptr<Device> dev, std::weak_ptr<Watchdog> watchdog, bool blockingWait)
-    : MycclWork(std::move(info), std::move(inputs), std::move(outputs)),
+    // CUDA-aware where the device is stream-ordered: value() and then() callbacks wait for the op
+    // on the consumer's current stream (through events the future records when completed), which
+    // is what DDP comm hooks rely on.
+    : MycclWork(std::move(info), std::move(inputs), std::move(outputs),
+                dev->streamOrdered()
+                    ? c10::make_intrusive<c10::ivalue::Future>(tensorListType(), std::vector<c10::Device>{device})
+                    : c10::intrusive_ptr<c10::ivalue::Future>()),
       device_(device),
       dev_(std::move(dev)),
       watchdog_(std::move(watchdog)),
       blockingWait_(blockingWait),
       streamOrdered_(dev_->streamOrdered()) {
   setDeadline(std::chrono::steady_clock::now() + info_.timeout);
-  if (streamOrdered_) {
-    // CUDA-aware: value() and then() callbacks wait for the op on the consumer's current stream
-    // (through events the future records when completed), which is what DDP comm hooks rely on.
-    future_ = c10::make_intrusive<c10::ivalue::Future>(tensorListType(), std::vector<c10::Device>{device});
-  }
 }
 
 NcclWork::~NcclWork() = default;

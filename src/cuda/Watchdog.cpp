@@ -146,10 +146,11 @@ void Watchdog::poll() {
     }
   }
   if (finished.empty()) return;
+  std::sort(finished.begin(), finished.end());  // many ops in flight: no quadratic pass under the lock
   std::lock_guard<std::mutex> lk(mu_);
   tracked_.erase(std::remove_if(tracked_.begin(), tracked_.end(),
                                 [&](const c10::intrusive_ptr<NcclWork>& w) {
-                                  return std::find(finished.begin(), finished.end(), w.get()) != finished.end();
+                                  return std::binary_search(finished.begin(), finished.end(), w.get());
                                 }),
                  tracked_.end());
   if (tracked_.empty()) idleCv_.notify_all();
@@ -173,6 +174,7 @@ void Watchdog::failFromWatchdog(const std::string& why, bool timedOut, NcclWork*
     if (!failure_.empty()) return;  // someone else failed the group first, and reported it
     failure_ = why;
     timedOut_ = timedOut;
+    failed_.store(true, std::memory_order_release);
   }
   if (policy_.hooks) policy_.hooks->run(why);
   takeDown(why + dump(why));
@@ -222,6 +224,7 @@ void Watchdog::fail(const std::string& whyGiven, bool timedOut, NcclWork* culpri
     if (failure_.empty()) {
       failure_ = why;
       timedOut_ = timedOut;
+      failed_.store(true, std::memory_order_release);
       firstFailure = true;
       if (userAbort || policy_.handling != ErrorHandling::NoHandling) comms = comms_;
     }
@@ -256,6 +259,7 @@ void Watchdog::fail(const std::string& whyGiven, bool timedOut, NcclWork* culpri
 }
 
 void Watchdog::throwIfFailed(const OpInfo& info) const {
+  if (!failed_.load(std::memory_order_acquire)) return;  // every op asks: no lock until a failure
   std::string f = failure();
   if (!f.empty()) {
     throwDistError("myccl: " + info.describe() + ": the group is unusable after an earlier failure: " + f +
@@ -275,8 +279,7 @@ size_t Watchdog::outstanding() const {
 }
 
 bool Watchdog::failed() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return !failure_.empty();
+  return failed_.load(std::memory_order_acquire);
 }
 
 bool Watchdog::timedOut() const {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "myccl/Engine.hpp"
+#include "myccl/Errors.hpp"
 #include "myccl/Recorder.hpp"
 
 namespace myccl {
@@ -50,17 +51,17 @@ class Engines {
   // The engine for these tensors: all on CPU, or all on CUDA (with NCCL built); anything else
   // raises, naming `where` ("all_gather (rank 3)"). While a test runtime stands in for CUDA
   // (installTestRuntime), CPU tensors go to the CUDA engine.
-  Held<Engine> route(const std::string& where, const std::vector<at::Tensor>& tensors);
+  Held<Engine> route(const Where& where, const std::vector<at::Tensor>& tensors);
   // Whether a (valid) tensor goes to the CUDA engine, by the rule route() uses.
   bool onDevice(const at::Tensor& t) const;
   // The device a barrier orders, as torch's nccl picks it: device_ids[0], else the group's bound
   // device, else the device of the CUDA engine's latest op; none: a CPU barrier.
-  std::optional<at::Device> barrierDevice(const std::string& where, const c10d::BarrierOptions& opts,
+  std::optional<at::Device> barrierDevice(const Where& where, const c10d::BarrierOptions& opts,
                                           std::optional<at::Device> bound);
-  Held<cpu::CpuEngine> cpu(const std::string& where);
+  Held<cpu::CpuEngine> cpu(const Where& where);
   // The CPU engine for something that outlives one op (a window), or an error naming `where`.
-  std::shared_ptr<cpu::CpuEngine> cpuOwned(const std::string& where) const;
-  Held<Engine> cuda(const std::string& where);
+  std::shared_ptr<cpu::CpuEngine> cpuOwned(const Where& where) const;
+  Held<Engine> cuda(const Where& where);
 
   // Snapshots, for lifecycle calls that must not wait for running ops (abort, timeouts, stats).
   std::shared_ptr<cpu::CpuEngine> cpuIfAny() const;
@@ -72,13 +73,13 @@ class Engines {
   // that none is in flight (else raises, naming how many and `where`), builds the new CPU engine
   // with `make` (which may raise: the group then stays as it was), aborts the CUDA engine (a new
   // one is made at the next CUDA op) and swaps. `then` runs under the same lock, after the swap.
-  void replace(const std::string& where, const std::function<std::shared_ptr<cpu::CpuEngine>()>& make,
+  void replace(const Where& where, const std::function<std::shared_ptr<cpu::CpuEngine>()>& make,
                std::shared_ptr<Recorder> recorder, const std::string& why, const std::function<void()>& then);
 
  private:
   std::shared_lock<std::shared_mutex> hold() const { return std::shared_lock<std::shared_mutex>(swapMu_); }
-  Engine& cudaLocked(const std::string& where);
-  cpu::CpuEngine& cpuLocked(const std::string& where) const;
+  Engine& cudaLocked(const Where& where);
+  cpu::CpuEngine& cpuLocked(const Where& where) const;
 
   mutable std::shared_mutex swapMu_;  // ops: shared for their issue; replace(): exclusive
   mutable std::mutex mu_;             // the pointers below, for snapshots and the lazy CUDA engine

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 
+#include "myccl/Work.hpp"
 #include "myccl/cuda/Runtime.hpp"
 
 namespace myccl::cuda {
@@ -50,23 +51,23 @@ class NcclComm {
   // Collective over `size` ranks passing the same id. Returns once the communicator is ready;
   // at `deadline` (nonblocking only: a blocking init cannot be interrupted) or on abort it gives
   // up and throws a DistBackendError that starts with `where`.
-  void init(const NcclUniqueId& id, int rank, int size, Clock::time_point deadline, const std::string& where);
+  void init(const NcclUniqueId& id, int rank, int size, Clock::time_point deadline, const Described& where);
   // Collective over the parent's ranks (ncclCommSplit). Returns false for color < 0 (no
   // communicator; this one stays empty).
-  bool split(NcclComm& parent, int color, int key, Clock::time_point deadline, const std::string& where);
+  bool split(NcclComm& parent, int color, int key, Clock::time_point deadline, const Described& where);
 
   // Calls on the communicator hold this lock, so an abort from the watchdog never frees the
   // handle under a thread that is using it, and no two threads ever use it at once.
   using Lock = std::unique_lock<std::timed_mutex>;
   // Throws CommError(Aborted) once the communicator is aborted.
-  Lock lock(const std::string& where);
+  Lock lock(const Described& where);
   NcclCommHandle get() const { return comm_; }  // only with the lock held
   Nccl& nccl() { return *rt_.nccl; }
 
   // Turns the result of a call into success or an exception. InProgress (nonblocking: connection
   // setup, a group launching) is polled until done, releasing the lock in between; past
   // `deadline` it throws CommError(Timeout). Other results throw CommError(Local/PeerGone).
-  void settle(Lock& lk, NcclResult r, Clock::time_point deadline, const std::string& where);
+  void settle(Lock& lk, NcclResult r, Clock::time_point deadline, const Described& where);
 
   // Asynchronous error state for the watchdog: Success, InProgress, or an error. Skips (returns
   // Success) when another thread holds the communicator right now.
@@ -87,7 +88,7 @@ class NcclComm {
 
  private:
   void abortLocked();
-  void finishCreation(Lock& lk, NcclResult r, Clock::time_point deadline, const std::string& where,
+  void finishCreation(Lock& lk, NcclResult r, Clock::time_point deadline, const Described& where,
                       const std::string& what);
 
   Runtime rt_;

@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "myccl/Errors.hpp"
 #include "myccl/Reduction.hpp"
 #include "myccl/cuda/Runtime.hpp"
 
@@ -28,11 +29,11 @@ struct NcclReduce {
 inline constexpr int kNcclFloat8Version = 22400;
 
 // `where` is "<op> (rank R)". Raises ValueError (MYCCL_CHECK_ARG) for what NCCL cannot do.
-NcclReduce planReduce(const Reduction& red, const std::string& where);
+NcclReduce planReduce(const Reduction& red, const Where& where);
 bool isFloat8(DType dt);
 // Float8 reductions need more than the type: this NCCL (`ncclVersion`, as ncclGetVersion) and this
 // GPU (`computeCapability`, 90 for 9.0) must reduce it. Raises ValueError naming what is missing.
-void checkFloat8(DType dt, const std::string& where, int ncclVersion, int computeCapability);
+void checkFloat8(DType dt, const Where& where, int ncclVersion, int computeCapability);
 // "2.28.9" for NCCL's version code 22809.
 std::string ncclVersionText(int code);
 

@@ -106,6 +106,7 @@ class Watchdog {
   std::vector<c10::intrusive_ptr<NcclWork>> tracked_;
   std::vector<std::shared_ptr<NcclComm>> comms_;
   std::string failure_;
+  std::atomic<bool> failed_{false};  // !failure_.empty(), readable without the lock
   bool timedOut_ = false;
   bool stop_ = false;
   std::atomic<bool> running_{false};

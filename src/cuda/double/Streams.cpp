@@ -173,6 +173,7 @@ class DoubleDevice final : public Device {
   void recordStream(const at::Tensor& t, const Stream& s) override {
     m_->requireDevice("recordStream");
     (void)m_->workerOf(s, "recordStream");
+    m_->count("record_stream_calls");  // every call (record_streams: those on the double's own blocks)
     m_->allocator().recordStream(t, s);
   }
 
