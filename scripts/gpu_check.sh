@@ -7,7 +7,7 @@
 # the exit status is 1 if any failed.
 #
 #   OUT                  where the report goes (default bench_out/gpu_check)
-#   GPU_CHECK_STEPS      comma-separated subset of env,build,test,test-multi,bench,ddp (default all);
+#   GPU_CHECK_STEPS      comma-separated subset of env,build,hostcost,test,test-multi,bench,ddp (default all);
 #                        a step that needs the venv or the build runs env/build first if they are
 #                        not there yet. Results of earlier calls on this machine stay in the report.
 #   GPU_CHECK_BUDGET_S   seconds for the whole call (default 1140); a step gets what is left at most
@@ -37,11 +37,11 @@ export GC_TEST_JOBS=${GPU_CHECK_TEST_JOBS:-2}
 [ "$GC_VENV" = none ] && export PIP_BREAK_SYSTEM_PACKAGES=1
 # torch's BuildExtension compiles with $CXX, else c++
 if [ -z "${CXX:-}" ] && ! command -v c++ >/dev/null && command -v g++ >/dev/null; then export CXX=g++; fi
-ALL_STEPS=(env build test test-multi bench ddp)
+ALL_STEPS=(env build hostcost test test-multi bench ddp)
 # Each step's own limit (seconds); the whole call is held to GPU_CHECK_BUDGET_S besides.
-declare -A LIMIT=([env]=120 [build]=360 [test]=420 [test-multi]=300 [bench]=300 [ddp]=180)
+declare -A LIMIT=([env]=120 [build]=360 [hostcost]=240 [test]=420 [test-multi]=300 [bench]=300 [ddp]=180)
 # ... and what each should take on one H100 with 16 cores (for the plan printed at the start)
-declare -A EXPECT=([env]=30 [build]=180 [test]=300 [test-multi]=0 [bench]=240 [ddp]=60)
+declare -A EXPECT=([env]=30 [build]=180 [hostcost]=120 [test]=300 [test-multi]=0 [bench]=240 [ddp]=60)
 IFS=, read -r -a _limits <<< "${GPU_CHECK_LIMITS:-}"
 for _kv in "${_limits[@]}"; do
   [[ "$_kv" =~ ^([a-z-]+)=([0-9]+)$ ]] && [ -n "${LIMIT[${BASH_REMATCH[1]}]:-}" ] \
@@ -269,6 +269,30 @@ step_test_multi() {
 
 bench_world() { local n; n=$(ngpus); [ "$n" -ge 2 ] && echo "$n" || echo 2; }
 
+# Host cost per op against nccl (benchmarks/cuda_host_cost.py --device cuda), then a DDP step on
+# a model of many small parameters in small buckets, where per-op host cost shows.
+step_hostcost() {
+  load_python
+  cd "$ROOT"
+  local cmd=("$VPY" benchmarks/cuda_host_cost.py --device cuda --world-size "$(bench_world)" --rounds 5 --reps 64
+             --out "$GC_STATE/raw/cuda_host_cost.json")
+  local ddp=("$VPY" benchmarks/ddp_cuda.py --world-size "$(bench_world)" --layers 128 --width 64 --batch 32
+             --bucket-cap-mb 0.1 --steps 30 --out "$GC_STATE/raw/ddp_small.json")
+  if [ "$GC_DRY" = 1 ]; then
+    echo "dry run: would run: ${cmd[*]}"
+    echo "dry run: would run: ${ddp[*]}"
+    if "${cmd[@]}"; then return 1; fi
+    if "${ddp[@]}"; then return 1; fi
+    echo "(refused without a GPU, as they must)"
+    return 0
+  fi
+  rm -f "$GC_STATE/raw/cuda_host_cost.json" "$GC_STATE/raw/ddp_small.json"
+  local rc=0
+  "${cmd[@]}" || rc=1
+  "${ddp[@]}" || rc=1
+  return $rc
+}
+
 step_bench() {
   load_python
   cd "$ROOT"
@@ -350,6 +374,7 @@ gpu-check: c10d_ext (myccl) on this machine's CUDA GPU(s), each figure next to t
   DRY RUN: no GPU needed; checks what can be checked without one.")
   env         ~0.5 min  python with torch, venv $(basename "$GC_VENV") (--system-site-packages), wheels from $(basename "$WHEELHOUSE")/
   build       ~1-4 min  MYCCL_WITH_NCCL=1 pip install --no-build-isolation -e . (MAX_JOBS=$MAX_JOBS)
+  hostcost    ~2 min    host time per op vs nccl (every op, 8 B and 1 MiB, sync and async); DDP, many small params
   test        ~5 min    pytest -m cuda tests: tests/test_cuda.py at world sizes 1 and 2 on one GPU, vs nccl
   test-multi  ~3 min    world size N on N GPUs (only with several GPUs)
   bench       ~4 min    collbench --device cuda vs nccl: 8 B overhead, busbw 1 MiB-1 GiB, 6 ops

@@ -23,10 +23,11 @@ import subprocess
 import sys
 import time
 
-STEPS = ["env", "build", "test", "test-multi", "bench", "ddp"]
+STEPS = ["env", "build", "hostcost", "test", "test-multi", "bench", "ddp"]
 WHAT = {
     "env": "python with torch, venv, wheels from the wheelhouse",
     "build": "c10d_ext with the NCCL engine",
+    "hostcost": "host time per op vs nccl; DDP on many small parameters",
     "test": "pytest -m cuda tests (tests/test_cuda.py at world sizes 1 and 2 on one GPU)",
     "test-multi": "tests/test_cuda.py at world size N on N GPUs",
     "bench": "collbench --device cuda, myccl vs nccl",
@@ -214,6 +215,24 @@ def _collbench_md(cb: dict) -> list[str]:
     return out
 
 
+def _hostcost_md(h: dict) -> list[str]:
+    out = [f"World size {h.get('world_size')}, {h.get('gpu')}, torch {h.get('torch')}, NCCL {h.get('nccl')}; "
+           f"median of {h.get('rounds')} rounds x {h.get('reps')} ops, the backends measured in turn in every round "
+           "(`benchmarks/cuda_host_cost.py --device cuda`). Host time to issue one op: sync = the call with "
+           "async_op=False; async = one of 16 issued back to back. Ratio = myccl / nccl (goal: at most 1.00).", "",
+           "| op | size | sync myccl us | sync nccl us | ratio | async myccl us | async nccl us | ratio "
+           "| allocs/op myccl | nccl |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in h.get("rows", []):
+        sr = r["myccl_sync_us"] / r["nccl_sync_us"] if r.get("nccl_sync_us") else None
+        ar = r["myccl_issue_us"] / r["nccl_issue_us"] if r.get("nccl_issue_us") else None
+        out.append(f"| {r['op']} | {r['size']} | {_f(r['myccl_sync_us'], '.1f')} | {_f(r['nccl_sync_us'], '.1f')} "
+                   f"| {_f(sr, '.2f')} | {_f(r['myccl_issue_us'], '.1f')} | {_f(r['nccl_issue_us'], '.1f')} "
+                   f"| {_f(ar, '.2f')} | {_f(r.get('myccl_sync_allocs'), '.1f')} | {_f(r.get('nccl_sync_allocs'), '.1f')} |")
+    out.append("")
+    return out
+
+
 def _ddp_md(d: dict) -> list[str]:
     a = d.get("args", {})
     out = [f"{d.get('params', 0) / 1e6:.1f}M parameters, world size {a.get('world_size')}"
@@ -245,6 +264,8 @@ def report(state: str, out_dir: str, dry: bool) -> int:
     lines = {n: _summary_lines(os.path.join(state, "logs", f"{n}.log")) for n in ("test", "test-multi")}
     cb = _load_json(os.path.join(raw, "collbench_cuda.json"))
     ddp = _load_json(os.path.join(raw, "ddp_cuda.json"))
+    hostcost = _load_json(os.path.join(raw, "cuda_host_cost.json"))
+    ddp_small = _load_json(os.path.join(raw, "ddp_small.json"))
     bad = [n for n, s in steps.items() if s["status"] not in ("pass", "skipped")]
     ok = bool(steps) and not bad
     calls = sorted({s["call"] for s in steps.values() if s["call"]})
@@ -303,6 +324,10 @@ def report(state: str, out_dir: str, dry: bool) -> int:
         elif not t:
             md += [f"no result (see logs/{n}.log)", ""]
 
+    md += ["## Host cost per op: myccl vs nccl", ""]
+    md += _hostcost_md(hostcost) if hostcost else ["no result (see logs/hostcost.log)", ""]
+    md += ["## DDP on many small parameters (small buckets): myccl vs nccl", ""]
+    md += _ddp_md(ddp_small) if ddp_small else ["no result (see logs/hostcost.log)", ""]
     md += ["## Collectives: myccl vs nccl", ""]
     md += _collbench_md(cb) if cb else ["no result (see logs/bench.log)", ""]
     md += ["## DDP training: myccl vs nccl", ""]
@@ -324,7 +349,7 @@ def report(state: str, out_dir: str, dry: bool) -> int:
         f.write("\n".join(md))
     doc = {"created": now, "dry_run": dry, "ok": ok, "failed_steps": bad, "steps": steps, "machine": machine,
            "packages": pkgs, "build_info": build, "tests": tests, "test_summary_lines": lines,
-           "collbench": cb, "ddp": ddp}
+           "collbench": cb, "ddp": ddp, "hostcost": hostcost, "ddp_small_params": ddp_small}
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump(doc, f, indent=1)
     print(os.path.join(out_dir, "report.md"))
