@@ -35,30 +35,31 @@ void AbortHooks::run(const std::string& why) {
   }
 }
 
-void CompletionHooks::add(int64_t id, Hook hook) {
+void CompletionHooks::replace(const std::function<void(Map&)>& change) {
   std::lock_guard<std::mutex> lk(mu_);
-  hooks_[id] = std::make_shared<const Hook>(std::move(hook));
-  snapshot_ = std::make_shared<const List>(hooks_.begin(), hooks_.end());
-  count_.store(hooks_.size(), std::memory_order_release);
+  auto next = std::make_shared<Map>(*hooks_);
+  change(*next);
+  count_.store(next->size(), std::memory_order_release);
+  hooks_ = std::move(next);
+}
+
+void CompletionHooks::add(int64_t id, Hook hook) {
+  replace([&](Map& m) { m[id] = std::move(hook); });
 }
 
 void CompletionHooks::remove(int64_t id) {
-  std::lock_guard<std::mutex> lk(mu_);
-  hooks_.erase(id);
-  snapshot_ = std::make_shared<const List>(hooks_.begin(), hooks_.end());
-  count_.store(hooks_.size(), std::memory_order_release);
+  replace([&](Map& m) { m.erase(id); });
 }
 
 void CompletionHooks::run(uint64_t completionKey, std::optional<float> durationMs) {
-  std::shared_ptr<const List> hooks;
+  std::shared_ptr<const Map> hooks;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    hooks = snapshot_;
+    hooks = hooks_;
   }
-  if (!hooks) return;
   for (const auto& [id, hook] : *hooks) {
     try {
-      (*hook)(completionKey, durationMs);
+      hook(completionKey, durationMs);
     } catch (const std::exception& e) {
       log(LogLevel::Warning, "completion hook " + std::to_string(id) + " raised: " + e.what());
     } catch (...) {

@@ -14,8 +14,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <utility>
-#include <vector>
 
 namespace myccl {
 
@@ -40,12 +38,13 @@ class CompletionHooks {
   void run(uint64_t completionKey, std::optional<float> durationMs);
 
  private:
-  using List = std::vector<std::pair<int64_t, std::shared_ptr<const Hook>>>;
+  using Map = std::map<int64_t, Hook>;
+  // Replaced whole by add/remove (copy on write): run() takes the current one under the lock and
+  // calls the hooks without copying any.
+  void replace(const std::function<void(Map&)>& change);
 
   std::mutex mu_;
-  std::map<int64_t, std::shared_ptr<const Hook>> hooks_;
-  // What run() reads: rebuilt by add/remove, so that running the hooks copies no callable.
-  std::shared_ptr<const List> snapshot_;
+  std::shared_ptr<const Map> hooks_ = std::make_shared<const Map>();
   std::atomic<size_t> count_{0};
 };
 

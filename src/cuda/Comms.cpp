@@ -100,9 +100,6 @@ CommSlot& NcclEngine::Impl::addSlot(const std::string& key, std::shared_ptr<Nccl
   slot->lowRank = lowRank;
   auto& ref = *slot;
   slots[key] = std::move(slot);
-  // A slot may have replaced another under its key: lookups refill the caches from the maps.
-  groupSlotOf.clear();
-  pairSlotOf.clear();
   return ref;
 }
 
@@ -180,21 +177,12 @@ void NcclEngine::adoptSplit(std::shared_ptr<SplitParts> parts) {
   MYCCL_CHECK(I.groupComms == 0, "adopt_split (rank ", I.rank, "): the group already has communicators");
   for (auto& [device, comm] : p->comms) {
     const std::string key = "group" + std::to_string(I.groupComms++);
-    I.addSlot(key, comm, device, -1);
-    I.groupKeyOf[device] = key;
+    I.slotAt(I.groupSlotOf, device) = &I.addSlot(key, comm, device, -1);
   }
 }
 
 CommSlot& NcclEngine::Impl::groupSlot(int device, Clock::time_point deadline, const Described& where) {
-  const auto d = static_cast<size_t>(device);
-  if (d < groupSlotOf.size() && groupSlotOf[d]) return *groupSlotOf[d];
-  auto it = groupKeyOf.find(device);
-  if (it != groupKeyOf.end()) {
-    CommSlot& slot = *slots.at(it->second);
-    if (groupSlotOf.size() <= d) groupSlotOf.resize(d + 1, nullptr);
-    groupSlotOf[d] = &slot;
-    return slot;
-  }
+  if (CommSlot* known = slotAt(groupSlotOf, device)) return *known;
   MYCCL_CHECK(!rt.device->isCapturing(rt.device->currentStream(device)), where, ": the first CUDA op on cuda:",
               device, " of this group is being captured into a CUDA graph, and NCCL communicators cannot be created "
               "during capture; run one op (or eager_connect) on this device before capturing");
@@ -206,25 +194,12 @@ CommSlot& NcclEngine::Impl::groupSlot(int device, Clock::time_point deadline, co
   for (int r = 0; r < size; ++r) members[r] = r;
   CommSlot& slot = create(key, members, /*pair=*/false, device, deadline, where);
   ++groupComms;
-  groupKeyOf[device] = key;
+  slotAt(groupSlotOf, device) = &slot;
   return slot;
 }
 
 CommSlot& NcclEngine::Impl::pairSlot(int peer, int device, Clock::time_point deadline, const Described& where) {
-  const auto p = static_cast<size_t>(peer);
-  CommSlot* known = p < pairSlotOf.size() ? pairSlotOf[p] : nullptr;
-  const int lo = std::min(rank, peer), hi = std::max(rank, peer);
-  // The same key on both sides, whatever device each drives.
-  const auto key = [&] { return "p2p" + std::to_string(lo) + "-" + std::to_string(hi); };
-  if (!known) {
-    auto it = slots.find(key());
-    if (it != slots.end()) {
-      known = it->second.get();
-      if (pairSlotOf.size() <= p) pairSlotOf.resize(p + 1, nullptr);
-      pairSlotOf[p] = known;
-    }
-  }
-  if (known) {
+  if (CommSlot* known = slotAt(pairSlotOf, peer)) {
     MYCCL_CHECK(known->device == device, where, ": point-to-point with rank ", peer, " uses cuda:", device,
                 " but this pair's NCCL communicator was made on cuda:", known->device, "; use one device per rank");
     return *known;
@@ -233,7 +208,11 @@ CommSlot& NcclEngine::Impl::pairSlot(int peer, int device, Clock::time_point dea
               ": the first point-to-point op with rank ", peer, " on cuda:", device,
               " is being captured into a CUDA graph, and NCCL communicators cannot be created during capture; "
               "run one such op before capturing");
-  CommSlot& slot = create(key(), {lo, hi}, /*pair=*/true, device, deadline, where);
+  const int lo = std::min(rank, peer), hi = std::max(rank, peer);
+  // The same key on both sides, whatever device each drives.
+  const std::string key = "p2p" + std::to_string(lo) + "-" + std::to_string(hi);
+  CommSlot& slot = create(key, {lo, hi}, /*pair=*/true, device, deadline, where);
+  slotAt(pairSlotOf, peer) = &slot;
   connectPair(slot, deadline, where);
   return slot;
 }

@@ -314,8 +314,14 @@ struct NcclEngine::Impl {
   // Never taken by abort(), which must work while an issuing thread is stuck.
   std::mutex issueMu;
   std::map<std::string, std::unique_ptr<CommSlot>> slots;  // by key, see groupSlot/pairSlot
-  std::map<int, std::string> groupKeyOf;                   // device -> key of its group slot
-  std::vector<CommSlot*> groupSlotOf, pairSlotOf;          // caches: by device, by peer (null: look up)
+  std::vector<CommSlot*> groupSlotOf;  // by device: its group slot (null: none yet)
+  std::vector<CommSlot*> pairSlotOf;   // by peer: the pair's slot (null: none yet)
+  // by[i], grown as needed (a slot is never replaced: every key is made once).
+  static CommSlot*& slotAt(std::vector<CommSlot*>& by, int i) {
+    const auto k = static_cast<size_t>(i);
+    if (by.size() <= k) by.resize(k + 1, nullptr);
+    return by[k];
+  }
   std::map<std::string, int> creations;                    // store-key attempts per slot key
   int groupComms = 0;
   int splits = 0;  // splitParts calls (names the communicators they make)
@@ -414,7 +420,8 @@ struct NcclEngine::Impl {
   NcclEngine::WorkPtr submit(OpInfo&& info, c10::Device device, bool asyncOp, std::vector<at::Tensor>&& inputs,
                              std::vector<at::Tensor>&& outputs, F&& prepare, Target target = {},
                              bool hostSync = false) {
-    NcclWorkPtr work = admit(std::move(info), device, std::move(inputs), std::move(outputs), hostSync);
+    NcclWorkPtr work = admit(std::move(info), device, std::move(inputs), std::move(outputs), hostSync,
+                             target.kind == Target::Group);
     if (isCoalescing()) {
       Prepare kept(std::forward<F>(prepare));
       if (!defer(work, kept, device)) issueOne(work, kept, device, target, asyncOp);
@@ -423,10 +430,10 @@ struct NcclEngine::Impl {
     issueOne(work, prepare, device, target, asyncOp);
     return work;
   }
-  // The Work of a new op, once the group is known to be usable (and, under MYCCL_DEBUG=DETAIL,
-  // the ranks agree on the op).
+  // The Work of a new op, once the group is known to be usable (and, under MYCCL_DEBUG=DETAIL, the
+  // ranks agree on an op of the group's communicator).
   NcclWorkPtr admit(OpInfo&& info, c10::Device device, std::vector<at::Tensor>&& inputs,
-                    std::vector<at::Tensor>&& outputs, bool hostSync);
+                    std::vector<at::Tensor>&& outputs, bool hostSync, bool groupOp);
   // Holds the op back in the open coalescing block; false when none is open.
   bool defer(const NcclWorkPtr& work, Prepare& prepare, c10::Device device);
   void issueOne(const NcclWorkPtr& work, PrepareRef prepare, c10::Device device, const Target& target, bool asyncOp);

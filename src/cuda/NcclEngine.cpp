@@ -138,9 +138,9 @@ void NcclEngine::Impl::failGroup(c10::ArrayRef<NcclWorkPtr> works, const std::st
 }
 
 NcclWorkPtr NcclEngine::Impl::admit(OpInfo&& info, c10::Device device, std::vector<at::Tensor>&& inputs,
-                                    std::vector<at::Tensor>&& outputs, bool hostSync) {
+                                    std::vector<at::Tensor>&& outputs, bool hostSync, bool groupOp) {
   checkOpen(info);
-  if (agree && info.type != c10d::OpType::SEND && info.type != c10d::OpType::RECV) agree(info);
+  if (agree && groupOp) agree(info);
   if (!timeoutFixed && timeout.load() != info.timeout) timeout = info.timeout;
   auto work = makeWork(std::move(info), std::move(inputs), std::move(outputs), device);
   if (hostSync) work->setHostSync();
