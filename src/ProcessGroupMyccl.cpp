@@ -139,10 +139,9 @@ WorkRef MycclBackend::_allgather_base(at::Tensor& output, at::Tensor& input, con
   MYCCL_CHECK_ARG(output.numel() == input.numel() * size_, w, ": output ", shapeOf(output), " has ", output.numel(),
                   " elements but must have input numel ", input.numel(), " x group size ", size_, " = ",
                   input.numel() * size_);
-  auto outs = blocks(w, output, size_, input.numel(), "output");
   auto i = info(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", opts.timeout, opts.asyncOp);
   annotate(i, input, -1, nullptr);
-  return record(e->allgather(std::move(i), {input}, {outs}));
+  return record(e->allgatherBase(std::move(i), input, output));
 }
 
 WorkRef MycclBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
@@ -262,10 +261,9 @@ WorkRef MycclBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input
                   " elements but must have output numel ", output.numel(), " x group size ", size_, " = ",
                   output.numel() * size_);
   auto red = toReduction(w, output, opts.reduceOp, size_, onDevice(output));
-  auto ins = blocks(w, input, size_, output.numel(), "input");
   auto i = info(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", opts.timeout, opts.asyncOp);
   annotate(i, input, -1, reduceOpName(opts.reduceOp.op_));
-  return record(e->reduceScatter(std::move(i), {ins}, {output}, red, {input}));
+  return record(e->reduceScatterBase(std::move(i), input, output, red));
 }
 
 WorkRef MycclBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,

@@ -271,12 +271,15 @@ def body_launch_economies(ctx, mode, record_streams):
     a pool (rounds of asynchronous ops make about one round's worth, not one each), and an
     asynchronous in-place op's tensor is recordStream'ed once (not as input and again as output)
     with MYCCL_AVOID_RECORD_STREAMS=0, and not at all by default: its Work holds it until the op
-    has finished, as torch's nccl stashes it. Results are checked every time."""
+    has finished, as torch's nccl stashes it; float8 reductions ask the device's compute capability
+    once, not per op. Results are checked every time."""
     dev, _ = _init(ctx, mode=mode, timeout=60)
     rep = Report(ctx, mode)
     n = ctx.size
     warm = _full(4, 1, dev)
     dist.all_reduce(warm, async_op=True).wait()  # the communicator, its stream and ready event
+    if mode == "double":  # float8 reductions ask for the device's compute capability
+        dist.all_reduce(torch.ones(4, device=dev).to(torch.float8_e4m3fn))
     time.sleep(0.1)
     before = _counters(mode)
     rounds, per = 8, 8
@@ -289,9 +292,15 @@ def body_launch_economies(ctx, mode, record_streams):
         rep.check(all(torch.equal(x.cpu(), want) for x in xs), f"round {k}: {[x.tolist() for x in xs][:2]}")
         del works, xs
         time.sleep(0.1)  # the watchdog lets go of finished Works within a tick
+    if mode == "double":
+        for k in range(4):
+            f8 = torch.full((4,), float(ctx.rank + 1), device=dev).to(torch.float8_e4m3fn)
+            dist.all_reduce(f8)
+            rep.check(torch.equal(f8.float().cpu(), want), f"float8 all_reduce {k}: {f8.float().tolist()}")
     after = _counters(mode)
     if after is not None:
-        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("events", "record_stream_calls")}
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("events", "record_stream_calls", "capability_queries")}
+        rep.check(d["capability_queries"] == 0, f"4 float8 all_reduces asked the device {d['capability_queries']} times")
         rep.check(d["events"] <= 2 * per, f"{rounds * per} asynchronous ops made {d['events']} events")
         rep.check(d["record_stream_calls"] == (rounds * per if record_streams else 0),
                   f"recordStream calls for {rounds * per} in-place ops: {d['record_stream_calls']}")

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "myccl/AbortHooks.hpp"
+#include "myccl/Arguments.hpp"
 #include "myccl/Config.hpp"
 #include "myccl/Recorder.hpp"
 #include "myccl/Reduction.hpp"
@@ -53,6 +54,18 @@ class Engine {
                                 std::vector<at::Tensor> userInputs = {}) = 0;
   virtual WorkPtr alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                            std::vector<at::Tensor> userInputs = {}) = 0;
+  // all_gather_into_tensor and reduce_scatter_tensor: one tensor holds the group's blocks in rank
+  // order (sizes checked by the caller). By default the blocks become per-rank views for the list
+  // ops above; an engine that can work on the flat tensor (NCCL, as torch's does) overrides these
+  // and saves the views.
+  virtual WorkPtr allgatherBase(OpInfo info, at::Tensor input, at::Tensor output) {
+    auto outs = blocks(Where{info.op.c_str(), info.rank}, output, info.size, input.numel(), "output");
+    return allgather(std::move(info), {input}, {std::move(outs)});
+  }
+  virtual WorkPtr reduceScatterBase(OpInfo info, at::Tensor input, at::Tensor output, const Reduction& red) {
+    auto ins = blocks(Where{info.op.c_str(), info.rank}, input, info.size, output.numel(), "input");
+    return reduceScatter(std::move(info), {std::move(ins)}, {output}, red, {input});
+  }
   // `device`: the device whose work the barrier also orders (the CPU engine has one).
   virtual WorkPtr barrier(OpInfo info, at::Device device) = 0;
   virtual WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag) = 0;

@@ -106,9 +106,9 @@ std::shared_ptr<Engine> Engines::cudaIfMade() const {
   return cuda_;
 }
 
-std::vector<std::shared_ptr<Engine>> Engines::all() const {
+c10::SmallVector<std::shared_ptr<Engine>, 2> Engines::all() const {
   std::lock_guard<std::mutex> lk(mu_);
-  std::vector<std::shared_ptr<Engine>> out;
+  c10::SmallVector<std::shared_ptr<Engine>, 2> out;
   if (cpu_) out.push_back(cpu_);
   if (cuda_) out.push_back(cuda_);
   return out;

@@ -368,14 +368,28 @@ struct NcclEngine::Impl {
 
   // How NCCL reduces `red` for an op on `device` (float8: when this NCCL and GPU can).
   NcclReduce plan(const Reduction& red, const OpInfo& info, c10::Device device) {
-    if (isFloat8(red.spec.dtype))
-      checkFloat8(red.spec.dtype, argWhere(info), rt.nccl->version(), dev.computeCapability(device.index()));
+    if (isFloat8(red.spec.dtype)) {
+      const auto [version, capability] = float8Facts(device.index());
+      checkFloat8(red.spec.dtype, argWhere(info), version, capability);
+    }
     NcclReduce p = planReduce(red, argWhere(info));
     // The average of one rank is its value: a plain sum, which NCCL does for every type (its
     // one-rank path refuses ncclAvg of float8).
     if (size == 1 && p.op == kNcclAvg) p.op = kNcclSum;
     return p;
   }
+
+  // The loaded NCCL's version and the device's compute capability, asked once (not per op).
+  std::pair<int, int> float8Facts(int device) {
+    std::lock_guard<std::mutex> lk(factsMu);
+    if (ncclVersion < 0) ncclVersion = rt.nccl->version();
+    auto it = capabilityOf.find(device);
+    if (it == capabilityOf.end()) it = capabilityOf.emplace(device, dev.computeCapability(device)).first;
+    return {ncclVersion, it->second};
+  }
+  std::mutex factsMu;
+  int ncclVersion = -1;
+  std::map<int, int> capabilityOf;
 
   // ---- communicators (Comms.cpp) ----
   // The group's communicator on `device` (made on first use: collective over the group).

@@ -106,6 +106,29 @@ NcclEngine::WorkPtr NcclEngine::allgather(OpInfo info, std::vector<at::Tensor> i
   return impl_->submit(std::move(info), dev, info.asyncOp, std::move(inputs), std::move(flatOut), std::move(launch));
 }
 
+NcclEngine::WorkPtr NcclEngine::allgatherBase(OpInfo info, at::Tensor input, at::Tensor output) {
+  // NCCL gathers into the flat output directly, with no per-rank views, as torch's nccl does.
+  if (!input.is_contiguous() || !output.is_contiguous()) return Engine::allgatherBase(std::move(info), input, output);
+  const int rank = info.rank;
+  const auto dev = impl_->dev.deviceOf(input);
+  auto launch = [rank](Launch& L, const NcclWork& w) {
+    const at::Tensor& in = w.inputs()[0];
+    const at::Tensor& out = w.outputs()[0];
+    const size_t each = nbytesOf(in);
+    if (each == 0) return;
+    at::Tensor src = in;
+    char* dst = static_cast<char*>(out.data_ptr());
+    // In place (the input is this rank's block) is fine for NCCL; any other overlap is not.
+    if (src.data_ptr() != dst + rank * each && overlaps(src.data_ptr(), each, dst, nbytesOf(out))) {
+      at::Tensor copy = L.scratch(src.sizes(), src.scalar_type());
+      L.stage([copy, src]() mutable { copy.copy_(src); });
+      src = copy;
+    }
+    L.allGather(src, out, dst, each);
+  };
+  return impl_->submit(std::move(info), dev, info.asyncOp, {input}, {output}, std::move(launch));
+}
+
 NcclEngine::WorkPtr NcclEngine::gather(OpInfo info, at::Tensor input, std::vector<at::Tensor> outputs, int root) {
   const int rank = info.rank;
   const auto dev = impl_->dev.deviceOf(input);
@@ -206,6 +229,35 @@ NcclEngine::WorkPtr NcclEngine::reduceScatter(OpInfo info, std::vector<std::vect
     }
   };
   return impl_->submit(std::move(info), dev, info.asyncOp, std::move(flatIn), std::move(outputs), std::move(launch));
+}
+
+NcclEngine::WorkPtr NcclEngine::reduceScatterBase(OpInfo info, at::Tensor input, at::Tensor output,
+                                                  const Reduction& red) {
+  const auto dev = impl_->dev.deviceOf(output);
+  const NcclReduce plan = impl_->plan(red, info, dev);
+  // NCCL reduces from the flat input directly when it is already what NCCL reads.
+  if (!input.is_contiguous() || input.scalar_type() != plan.stage) {
+    return Engine::reduceScatterBase(std::move(info), input, output, red);
+  }
+  const int rank = info.rank;
+  auto launch = [plan, rank](Launch& L, const NcclWork& w) {
+    const at::Tensor& in = w.inputs()[0];
+    const at::Tensor& out = w.outputs()[0];
+    const int64_t n = out.numel();
+    if (n == 0) return;
+    const size_t each = static_cast<size_t>(n) * c10::elementSize(plan.stage);
+    const int slot = L.redOp(plan);
+    char* src = static_cast<char*>(in.data_ptr());
+    at::Tensor dst = L.buffer(out, plan.stage, false, true);
+    // In place (the output is this rank's block of the input) is fine; other overlap is not.
+    if (dst.data_ptr() != src + rank * each && overlaps(dst.data_ptr(), each, src, nbytesOf(in))) {
+      at::Tensor fresh = L.scratch(out.sizes(), plan.stage);
+      L.after([out, fresh]() mutable { out.copy_(fresh); });
+      dst = fresh;
+    }
+    L.reduceScatter(in, src, dst, static_cast<size_t>(n * plan.perElement), plan.type, slot);
+  };
+  return impl_->submit(std::move(info), dev, info.asyncOp, {input}, {output}, std::move(launch));
 }
 
 NcclEngine::WorkPtr NcclEngine::alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <functional>
@@ -66,7 +67,8 @@ class Engines {
   // Snapshots, for lifecycle calls that must not wait for running ops (abort, timeouts, stats).
   std::shared_ptr<cpu::CpuEngine> cpuIfAny() const;
   std::shared_ptr<Engine> cudaIfMade() const;
-  std::vector<std::shared_ptr<Engine>> all() const;  // those that exist, CPU first
+  // Those that exist, CPU first (inline: a coalescing block asks twice and allocates nothing).
+  c10::SmallVector<std::shared_ptr<Engine>, 2> all() const;
   std::shared_ptr<Recorder> recorder() const;
 
   // Collective with the group's new members (torch's reconfigure): with every op held off, checks

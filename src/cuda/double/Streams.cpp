@@ -192,6 +192,7 @@ class DoubleDevice final : public Device {
 
   int computeCapability(int index) override {
     m_->checkIndex(index, "computeCapability");
+    m_->count("capability_queries");
     return m_->opts.computeCapability;
   }
 
