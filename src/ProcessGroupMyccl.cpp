@@ -297,15 +297,19 @@ WorkRef MycclBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::
   auto e = engines_.route(w, {input, output});
   checkSameDtype(w, input, output, "output");
   checkWritable(w, output, "output");
-  auto splitsFor = [&](const at::Tensor& t, std::vector<int64_t> splits, const char* what) {
+  // Rows per rank, checked (no views: the engine addresses the flat tensors or makes its own).
+  auto splitsFor = [&](const at::Tensor& t, const std::vector<int64_t>& given, const char* what) {
     if (t.dim() == 0) {
       MYCCL_CHECK_ARG(false, w, ": ", what, " must have at least one dimension");
     }
     const int64_t rows = t.size(0);
-    if (splits.empty()) {
+    std::vector<int64_t> splits;
+    if (given.empty()) {
       MYCCL_CHECK_ARG(rows % size_ == 0, w, ": ", what, " has ", rows, " rows, not divisible by the group size ",
                       size_, "; pass split sizes for uneven exchanges");
       splits.assign(size_, rows / size_);
+    } else {
+      splits = given;
     }
     MYCCL_CHECK_ARG(static_cast<int>(splits.size()) == size_, w, ": ", what, " split sizes have ", splits.size(),
                     " entries but the group has ", size_, " ranks");
@@ -316,22 +320,16 @@ WorkRef MycclBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::
     }
     MYCCL_CHECK_ARG(sum == rows, w, ": ", what, " split sizes sum to ", sum, " but the tensor has ", rows,
                     " rows (first dimension)");
-    std::vector<at::Tensor> parts;
-    parts.reserve(size_);
-    int64_t off = 0;
-    for (int r = 0; r < size_; ++r) {
-      parts.push_back(rowSlice(t, off, splits[r]));
-      off += splits[r];
-    }
-    return parts;
+    return splits;
   };
-  auto ins = splitsFor(input, inputSplits, "input");
-  auto outs = splitsFor(output, outputSplits, "output");
-  MYCCL_CHECK_ARG(ins[rank_].numel() == outs[rank_].numel(), w, ": this rank sends ", ins[rank_].numel(),
-                  " elements to itself but expects ", outs[rank_].numel());
+  auto inRows = splitsFor(input, inputSplits, "input");
+  auto outRows = splitsFor(output, outputSplits, "output");
+  auto perRow = [](const at::Tensor& t) { return t.size(0) > 0 ? t.numel() / t.size(0) : 0; };
+  const int64_t toSelf = inRows[rank_] * perRow(input), fromSelf = outRows[rank_] * perRow(output);
+  MYCCL_CHECK_ARG(toSelf == fromSelf, w, ": this rank sends ", toSelf, " elements to itself but expects ", fromSelf);
   auto i = info(OpType::ALLTOALL_BASE, "all_to_all_single", opts.timeout, opts.asyncOp);
   annotate(i, input, -1, nullptr);
-  return record(e->alltoall(std::move(i), ins, outs, {input}));
+  return record(e->alltoallBase(std::move(i), input, output, std::move(inRows), std::move(outRows)));
 }
 
 WorkRef MycclBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,

@@ -456,6 +456,15 @@ def body_all_to_all_p2p_barrier(ctx, compare, mode="gpu"):
         off = sum(split(s, d) for d in range(ctx.rank))
         want.append(xs[s][off:off + split(s, ctx.rank)])
     rep.check(torch.equal(out.cpu(), torch.cat(want)), "all_to_all_single uneven splits")
+    # the same in the middle of larger buffers: the engine addresses the flat tensors by offset
+    src = torch.full((xs[ctx.rank].shape[0] + 7, 3), -1.0)
+    src[3:3 + xs[ctx.rank].shape[0]] = xs[ctx.rank]
+    src = src.to(dev)
+    dst = torch.full((sum(out_splits) + 9, 3), -2.0, device=dev)
+    dist.all_to_all_single(dst[5:5 + sum(out_splits)], src[3:3 + xs[ctx.rank].shape[0]], out_splits, in_splits)
+    dst = dst.cpu()
+    rep.check(torch.equal(dst[5:5 + sum(out_splits)], torch.cat(want)) and bool((dst[:5] == -2).all()) and
+              bool((dst[5 + sum(out_splits):] == -2).all()), "all_to_all_single at a storage offset")
     for _ in range(3):
         dist.barrier()
     w = dist.barrier(async_op=True)

@@ -66,6 +66,25 @@ class Engine {
     auto ins = blocks(Where{info.op.c_str(), info.rank}, input, info.size, output.numel(), "input");
     return reduceScatter(std::move(info), {std::move(ins)}, {output}, red, {input});
   }
+  // all_to_all_single: `inRows[r]` rows of `input` go to rank r, `outRows[r]` rows of `output`
+  // come from it (checked by the caller). By default the rows become per-rank views for the list
+  // op; an engine that can address the flat tensors (NCCL) overrides this and saves the views.
+  virtual WorkPtr alltoallBase(OpInfo info, at::Tensor input, at::Tensor output, std::vector<int64_t> inRows,
+                               std::vector<int64_t> outRows) {
+    auto parts = [](const at::Tensor& t, const std::vector<int64_t>& rows) {
+      std::vector<at::Tensor> out;
+      out.reserve(rows.size());
+      int64_t first = 0;
+      for (int64_t n : rows) {
+        out.push_back(rowSlice(t, first, n));
+        first += n;
+      }
+      return out;
+    };
+    auto ins = parts(input, inRows);
+    auto outs = parts(output, outRows);
+    return alltoall(std::move(info), std::move(ins), std::move(outs), {input});
+  }
   // `device`: the device whose work the barrier also orders (the CPU engine has one).
   virtual WorkPtr barrier(OpInfo info, at::Device device) = 0;
   virtual WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag) = 0;

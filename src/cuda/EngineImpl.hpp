@@ -155,11 +155,14 @@ class Launch {
                      int opSlot) {
     call({NcclCall::ReduceScatter, src, to.data_ptr(), count, type, opSlot, -1}, from, to);
   }
-  void send(const at::Tensor& from, size_t bytes, int peer) {
-    call({NcclCall::Send, from.data_ptr(), nullptr, bytes, NcclType::Uint8, -1, peer}, from);
+  void send(const at::Tensor& from, size_t bytes, int peer) { send(from, from.data_ptr(), bytes, peer); }
+  void recv(const at::Tensor& to, size_t bytes, int peer) { recv(to, to.data_ptr(), bytes, peer); }
+  // From or into `at`, inside `owner` (which the call holds).
+  void send(const at::Tensor& owner, const void* at, size_t bytes, int peer) {
+    call({NcclCall::Send, at, nullptr, bytes, NcclType::Uint8, -1, peer}, owner);
   }
-  void recv(const at::Tensor& to, size_t bytes, int peer) {
-    call({NcclCall::Recv, nullptr, to.data_ptr(), bytes, NcclType::Uint8, -1, peer}, to);
+  void recv(const at::Tensor& owner, void* at, size_t bytes, int peer) {
+    call({NcclCall::Recv, nullptr, at, bytes, NcclType::Uint8, -1, peer}, owner);
   }
   // ---- phase 3, after the group, on the stream ----
   void after(std::function<void()> f) { afters_.push_back(std::move(f)); }

@@ -288,6 +288,46 @@ NcclEngine::WorkPtr NcclEngine::alltoall(OpInfo info, std::vector<at::Tensor> in
   return impl_->submit(std::move(info), dev, info.asyncOp, std::move(inputs), std::move(outputs), std::move(launch));
 }
 
+NcclEngine::WorkPtr NcclEngine::alltoallBase(OpInfo info, at::Tensor input, at::Tensor output,
+                                             std::vector<int64_t> inRows, std::vector<int64_t> outRows) {
+  // NCCL sends and receives at offsets into the flat tensors, with no per-rank views, as torch's
+  // nccl does.
+  if (!input.is_contiguous() || !output.is_contiguous() || input.dim() == 0 || output.dim() == 0) {
+    return Engine::alltoallBase(std::move(info), input, output, std::move(inRows), std::move(outRows));
+  }
+  const int rank = info.rank;
+  const auto dev = impl_->dev.deviceOf(input);
+  auto launch = [rank, inRows = std::move(inRows), outRows = std::move(outRows)](Launch& L, const NcclWork& w) {
+    const at::Tensor& in = w.inputs()[0];
+    const at::Tensor& out = w.outputs()[0];
+    const size_t inRow = in.size(0) > 0 ? nbytesOf(in) / static_cast<size_t>(in.size(0)) : 0;
+    const size_t outRow = out.size(0) > 0 ? nbytesOf(out) / static_cast<size_t>(out.size(0)) : 0;
+    char* src = static_cast<char*>(in.data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    int64_t inFirst = 0, outFirst = 0;
+    for (size_t r = 0; r < inRows.size(); ++r) {
+      const int peer = static_cast<int>(r);
+      const size_t sendBytes = static_cast<size_t>(inRows[r]) * inRow;
+      const size_t recvBytes = static_cast<size_t>(outRows[r]) * outRow;
+      if (peer == rank) {
+        if (sendBytes > 0) {
+          L.stage([in, out, i = inFirst, o = outFirst, n = inRows[r], m = outRows[r]]() mutable {
+            at::Tensor to = out.narrow(0, o, m);
+            to.copy_(in.narrow(0, i, n).reshape(to.sizes()));
+          });
+        }
+      } else {
+        // Sizes may differ per peer; each pair agrees on its own (what I send is what it expects).
+        if (sendBytes > 0) L.send(in, src + static_cast<size_t>(inFirst) * inRow, sendBytes, peer);
+        if (recvBytes > 0) L.recv(out, dst + static_cast<size_t>(outFirst) * outRow, recvBytes, peer);
+      }
+      inFirst += inRows[r];
+      outFirst += outRows[r];
+    }
+  };
+  return impl_->submit(std::move(info), dev, info.asyncOp, {input}, {output}, std::move(launch));
+}
+
 NcclEngine::WorkPtr NcclEngine::barrier(OpInfo info, at::Device device) {
   const int idx = device.has_index() ? device.index() : impl_->dev.current();
   DeviceGuard guard(impl_->dev, idx);

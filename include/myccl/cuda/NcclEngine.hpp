@@ -44,7 +44,9 @@ class NcclEngine final : public Engine {
                         const Reduction& red, std::vector<at::Tensor> userInputs = {}) override;
   WorkPtr alltoall(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                    std::vector<at::Tensor> userInputs = {}) override;
-  // Straight on the flat tensor when it is contiguous (the lists otherwise).
+  // Straight on the flat tensors when they are contiguous (the lists otherwise).
+  WorkPtr alltoallBase(OpInfo info, at::Tensor input, at::Tensor output, std::vector<int64_t> inRows,
+                       std::vector<int64_t> outRows) override;
   WorkPtr allgatherBase(OpInfo info, at::Tensor input, at::Tensor output) override;
   WorkPtr reduceScatterBase(OpInfo info, at::Tensor input, at::Tensor output, const Reduction& red) override;
   // wait() on a barrier's Work also blocks the host until every rank arrived (within the timeout).
