@@ -307,7 +307,7 @@ def _launch(env_for, n, tmp_path):
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         procs.append(subprocess.Popen([sys.executable, str(path)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    outs = []
+    texts = []
     for p in procs:
         try:
             out, _ = p.communicate(timeout=90)
@@ -315,9 +315,11 @@ def _launch(env_for, n, tmp_path):
             for q in procs:
                 q.kill()
             raise
-        assert p.returncode == 0, out
-        outs.append(next(line for line in out.splitlines() if line.startswith("RESULT")).split()[1:])
-    return outs
+        texts.append(out)
+    # Every rank's output on failure: the first rank's error is often a consequence of another's.
+    report = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{t}" for r, (p, t) in enumerate(zip(procs, texts)))
+    assert all(p.returncode == 0 for p in procs), report
+    return [next(line for line in out.splitlines() if line.startswith("RESULT")).split()[1:] for out in texts]
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun", "openmpi", "pmi", "torchrun", "none"])

@@ -225,10 +225,19 @@ void ShmGroup::waitSlow(int peer, uint32_t step, Deadline deadline) {
     }
     if (monitor_) {
       std::string why = monitor_(groupRanks_[peer]);
-      if (!why.empty()) throw CommError(CommErrorKind::PeerGone, why, groupRanks_[peer]);
+      // Between the check above and this one the peer may have posted the step, finished its op
+      // and left (this thread was descheduled): what it posted stands, as what a TCP peer sent
+      // before its goodbye does, and its segment stays mapped here. Look again before failing.
+      if (!why.empty()) {
+        if (ok()) return;
+        throw CommError(CommErrorKind::PeerGone, why, groupRanks_[peer]);
+      }
     }
     const auto now = Clock::now();
-    if (now >= deadline) throw CommError(CommErrorKind::Timeout, "Timed out", groupRanks_[peer]);
+    if (now >= deadline) {
+      if (ok()) return;
+      throw CommError(CommErrorKind::Timeout, "Timed out", groupRanks_[peer]);
+    }
     c->waiters.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t v = c->seq.load(std::memory_order_seq_cst);
     if (!reached(v, step)) {
