@@ -238,6 +238,9 @@ VARS: list[Var] = [
         "over the group, as across hosts", cpp=False, python_default=True, show=_show_bool),
     Var("MYCCL_TEST_CONNECT_DELAY_MS", _int(0),
         "testing only: pause before connecting the TCP mesh (lets tests knock on a listener)", public=False),
+    Var("MYCCL_TEST_SHM_RECHECK_DELAY_MS", _int(0),
+        "testing only: a shared-memory wait pauses between finding a peer behind and asking whether it "
+        "is gone (opens the window in which the peer finishes and leaves)", public=False),
     Var("MYCCL_BLOCKING_WAIT", _bool,
         "CUDA: Work.wait() blocks the host and raises on timeout instead of ordering streams", show=_show_bool),
     Var("MYCCL_AVOID_RECORD_STREAMS", _bool,

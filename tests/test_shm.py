@@ -345,3 +345,38 @@ def body_streaming_stores(ctx):
 def test_streaming_stores(run, size):
     failures = [f for fs in run(size, body_streaming_stores, timeout=120) for f in fs]
     assert not failures, failures
+
+
+def body_peer_posts_finishes_and_leaves(ctx):
+    """Rank 1 comes late to an all_reduce and shuts its group down as soon as it has finished.
+    Rank 0, waiting for it in shared memory, pauses (MYCCL_TEST_SHM_RECHECK_DELAY_MS) between
+    finding rank 1 behind and asking whether rank 1 is gone, which is the window a descheduled
+    thread has: by then rank 1 has posted, finished and left in order. What it posted stands, so
+    rank 0's all_reduce completes with the right sum; it used to fail with 'rank 1 left the
+    group' (seen in CI as hvd.allreduce failing on one rank while its peer had finished)."""
+    import time
+
+    import c10d_ext
+
+    ctx.init(timeout=30, pg_options=c10d_ext.Options(test_shm_recheck_delay_ms=2000 if ctx.rank == 0 else 0))
+    out = {}
+    dist.all_reduce(torch.ones(1))  # both there: the group and its shared memory are up
+    if ctx.rank == 1:
+        time.sleep(0.5)  # rank 0 is waiting in shared memory by now
+    x = torch.full((4,), float(ctx.rank + 1))
+    try:
+        dist.all_reduce(x)
+        out["sum"] = x.tolist()
+    except Exception as e:  # noqa: BLE001 - the result to report
+        out["error"] = str(e)
+    if ctx.rank == 1:
+        dist.destroy_process_group()  # at once, while rank 0 may still be in its pause
+    out["left"] = ctx.rank == 1
+    return out
+
+
+def test_a_peer_that_finished_and_left_is_not_a_failure(run):
+    res = run(2, body_peer_posts_finishes_and_leaves, timeout=90)
+    for r in range(2):
+        assert "error" not in res[r], (r, res[r])
+        assert res[r]["sum"] == [3.0] * 4, (r, res[r])

@@ -39,6 +39,7 @@
   X(int, asyncErrorHandling, "async_error_handling", 3)   /* MYCCL_ASYNC_ERROR_HANDLING */       \
   X(bool, enableTiming, "enable_timing", false)           /* MYCCL_ENABLE_TIMING */              \
   X(int64_t, testConnectDelayMs, "test_connect_delay_ms", 0) /* MYCCL_TEST_CONNECT_DELAY_MS */   \
+  X(int64_t, testShmRecheckDelayMs, "test_shm_recheck_delay_ms", 0) /* MYCCL_TEST_SHM_RECHECK_DELAY_MS */ \
   X(int64_t, flightRecorder, "flight_recorder", 128)      /* MYCCL_FLIGHT_RECORDER */            \
   X(std::string, flightRecorderDump, "flight_recorder_dump", "/tmp/myccl_flight_recorder") /* MYCCL_FLIGHT_RECORDER_DUMP */
 

@@ -102,6 +102,7 @@ std::shared_ptr<ShmGroup> sharedMemory(const ShmExchange& exchange, const Topolo
   so.groupRanks = topo.localRanks;
   so.stagingBytes = static_cast<size_t>(cfg.shmBufferBytes);
   so.spinUs = cfg.spinUs;
+  so.testRecheckDelayMs = cfg.testShmRecheckDelayMs;
   so.timeout = timeout;
   // Mailbox slots for local messages up to the eager limit.
   so.mailboxSlotBytes = static_cast<size_t>(std::clamp<int64_t>(cfg.localEagerBytes, 0, kMaxMailboxSlotBytes));

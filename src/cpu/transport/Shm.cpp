@@ -43,6 +43,7 @@ ShmGroup::ShmGroup(const ShmExchange& exchange, Options opts)
   }
   segBytes_ = mailboxOffset() + mailboxStates_ +
               static_cast<size_t>(size_ > 1 ? size_ - 1 : 0) * kMailboxSlots * mailboxSlot_;
+  testRecheckDelay_ = std::chrono::milliseconds(opts.testRecheckDelayMs);
   const int cpus = usableCpus();
   if (opts.spinUs >= 0) {
     spinNs_ = opts.spinUs * 1000;
@@ -223,6 +224,7 @@ void ShmGroup::waitSlow(int peer, uint32_t step, Deadline deadline) {
       std::lock_guard<std::mutex> lk(abortMu_);
       throw CommError(CommErrorKind::Aborted, abortReason_, -1);
     }
+    if (testRecheckDelay_.count() > 0) std::this_thread::sleep_for(testRecheckDelay_);
     if (monitor_) {
       std::string why = monitor_(groupRanks_[peer]);
       // Between the check above and this one the peer may have posted the step, finished its op

@@ -84,6 +84,9 @@ class ShmGroup {
     // rank must use the same value, like stagingBytes: a rank whose geometry differs fails
     // the setup (and the group falls back to TCP).
     size_t mailboxSlotBytes = 0;
+    // Testing only: a waiting thread pauses this long between finding a peer behind and asking
+    // whether the peer is gone (the window in which the peer can finish and leave).
+    int64_t testRecheckDelayMs = 0;
   };
   static constexpr int kMailboxSlots = 4;  // per ordered pair of local ranks
 
@@ -179,6 +182,7 @@ class ShmGroup {
   uint32_t step_ = 0;
   int64_t spinNs_;
   bool yieldFirst_;
+  std::chrono::milliseconds testRecheckDelay_{0};
   std::function<std::string(int)> monitor_;
   std::function<std::string(const StepDesc&)> describer_;
   std::atomic<bool> aborted_{false};
