@@ -64,11 +64,24 @@ def worker(rank: int, size: int, port: int, args, queue) -> None:
     group = STATE.group
     out: dict = {"op": {}, "many": {}, "step": {}}
 
-    # 1. per op, 8 bytes
+    # 1. per op, 8 bytes; also with the one-step agreed path turned off, as before it existed
+    # (every rank turns it off and back between the same two ops, so their cycles stay in step)
     x = torch.ones(2)
+    from c10d_ext.horovod import controller
+
+    ctrl = controller._CONTROLLERS[0]
+
+    def negotiated():
+        was, ctrl.agreed_ok = ctrl.agreed_ok, False
+        try:
+            hvd.allreduce(x, name="lat2", op=hvd.Sum)
+        finally:
+            ctrl.agreed_ok = was
+
     ops = {
         "dist.all_reduce (myccl)": lambda: dist.all_reduce(x, group=group),
         "hvd.allreduce (myccl)": lambda: hvd.allreduce(x, name="lat", op=hvd.Sum),
+        "hvd.allreduce, negotiated (myccl)": negotiated,
         "dist.all_reduce (gloo)": lambda: dist.all_reduce(x, group=gloo),
     }
     # 2. 100 small tensors
@@ -154,6 +167,8 @@ def main(argv=None) -> int:
         print(f"{k:40s} {v * 1e6:10.1f}")
     extra = (med["op"]["hvd.allreduce (myccl)"] - med["op"]["dist.all_reduce (myccl)"]) * 1e6
     print(f"{'hvd.allreduce - dist.all_reduce':40s} {extra:10.1f}")
+    slow = (med["op"]["hvd.allreduce, negotiated (myccl)"] - med["op"]["dist.all_reduce (myccl)"]) * 1e6
+    print(f"{'  the same, negotiated':40s} {slow:10.1f}")
     base = med["many"]["dist.all_reduce x100 (myccl)"]
     print(f"\n{'100 tensors of 64 floats':40s} {'ms':>10s} {'x faster':>9s}")
     for k, v in med["many"].items():
@@ -165,7 +180,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "samples": out, "medians": med,
-                   "hvd_extra_us": extra, "torch": torch.__version__}, f, indent=1)
+                   "hvd_extra_us": extra, "hvd_negotiated_extra_us": slow, "torch": torch.__version__}, f, indent=1)
     print(f"\nwrote {args.out}")
     return 0
 

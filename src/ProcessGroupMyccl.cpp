@@ -66,6 +66,30 @@ WorkRef MycclBackend::allreduceScaled(at::Tensor& tensor, double scale) {
   return record(engines_.cpu(w)->allreduce(std::move(i), {tensor}, red));
 }
 
+WorkRef MycclBackend::agreedAllreduce(at::Tensor& tensor, at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op) {
+  const auto w = where("agreed all_reduce");
+  MYCCL_CHECK_ARG(tensor.defined() && tensor.device().is_cpu() && !tensor.is_sparse(), w,
+                  ": needs a dense CPU tensor, got ", describe(tensor));
+  MYCCL_CHECK_ARG(!onDevice(tensor), w, ": runs on the CPU engine only, and this group sends ", describe(tensor),
+                  " to the CUDA engine (a test runtime stands in for CUDA)");
+  MYCCL_CHECK_ARG(agreed.defined() && agreed.device().is_cpu() && agreed.numel() == 1 &&
+                      (agreed.scalar_type() == at::kByte || agreed.scalar_type() == at::kBool),
+                  w, ": the answer goes into one uint8 or bool CPU element, got ", describe(agreed));
+  checkWritable(w, tensor, "tensor");
+  auto red = toReduction(w, tensor, op, size_, false);
+  auto i = info(OpType::ALLREDUCE, "agreed_all_reduce", c10d::kUnsetTimeout, true);
+  annotate(i, tensor, -1, reduceOpName(op.op_));
+  return record(engines_.cpu(w)->agreedAllreduce(std::move(i), tensor, red, static_cast<uint64_t>(key), agreed));
+}
+
+bool MycclBackend::agreedAvailable() {
+  // The same answer on every rank: one host with shared memory is the group's, and so is a test
+  // runtime (which sends CPU tensors to the CUDA engine). Makes the CPU engine if it is not yet
+  // made, which is collective: ask on every rank alike (c10d_ext.horovod asks after its first op).
+  if (testRuntimeInstalled()) return false;
+  return engines_.cpu(where("agreed all_reduce"))->agreedAvailable();
+}
+
 WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
   const auto w = where("all_reduce");
   const at::Tensor& t = single(w, tensors);

@@ -209,7 +209,9 @@ def _fusion(ctx, n, threshold):
 
     def reduces():
         stats = c10d_ext.stats(STATE.group)
-        count = sum(v["count"] for v in stats.values() if isinstance(v, dict) and v.get("op") == "all_reduce")
+        # a cycle of one tensor that every rank offered is reduced by the agreed op (one host)
+        count = sum(v["count"] for k, v in stats.items() if isinstance(v, dict) and
+                    (v.get("op") == "all_reduce" or k == "agreed_all_reduce/shm-agreed"))
         c10d_ext.reset_stats(STATE.group)
         return count
 

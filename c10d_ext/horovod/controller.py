@@ -204,6 +204,12 @@ class SetController(threading.Thread):
         self.last_stall_check = time.monotonic()
         self.stalled = False  # this rank saw a request wait past the shutdown time
         self.cycle_time = _cycle_seconds()
+        # The agreed all_reduce (one host, shared memory): None until the set's first cycle has
+        # made its CPU engine on every member, then the same answer on all of them.
+        self.agreed_ok: bool | None = None if self.size > 1 else False
+        self.agreed_byte = bytearray(1)  # what the op answers, read without a tensor op
+        self.agreed_flag = torch.frombuffer(self.agreed_byte, dtype=torch.uint8)
+        self.no_offer = torch.zeros(1)
         self.driver = threading.Lock()  # held by whoever runs a cycle
         self.last_cycle = 0.0  # when the last cycle began (monotonic)
         self.progress = True  # the last cycle announced or ran something
@@ -328,6 +334,15 @@ class SetController(threading.Thread):
         if tl is not None:
             tl.mark_cycle_start()
         joining = self.join_req is not None and self.me not in self.joined
+        waiting = bool(self.mine)
+        for r in batch:  # from here a failure of the set completes them with its error (_fail)
+            self.mine[r.nhash] = r
+        if self.agreed_ok:
+            # Every member opens every cycle with the agreed op, so all stay in step whatever
+            # each offers; any member's "no" sends all of them to the negotiation below.
+            offer_ok = tl is None and not joining and not self.joined and not more and not waiting and not self.table
+            if self._agreed(batch[0] if offer_ok and len(batch) == 1 else None):
+                return True, False
         recs = [r.record() for r in batch]
         if joining:
             recs.append(self.join_req.record())
@@ -336,8 +351,6 @@ class SetController(threading.Thread):
         m[1] = (2 if more else 0) | (4 if self.stalled else 0)
         if recs:
             m[HEADER:HEADER + len(recs) * FIELDS] = array("q", [x for rec in recs for x in rec])
-        for r in batch:
-            self.mine[r.nhash] = r
         if self.size > 1:
             dist.all_gather_into_tensor(self.gathered, self.msg, group=self.group)
             g = self.gathered_arr
@@ -369,6 +382,8 @@ class SetController(threading.Thread):
                 entry.recs[member] = rec
                 if tl is not None and rec[0] in self.mine:
                     tl.negotiate_rank_ready(self.mine[rec[0]].name, member)
+        if self.agreed_ok is None:  # the first cycle made the group's CPU engine on every member
+            self.agreed_ok = bool(self.group._get_backend(torch.device("cpu"))._agreed_available)
         others_more = any(f & 2 for f in flags)
         if any(f & 4 for f in flags):  # some member saw a stall past the shutdown time: all stop
             err = HorovodInternalError(f"{SHUT_DOWN} (a request waited on other ranks for longer than "
@@ -389,6 +404,35 @@ class SetController(threading.Thread):
             self._finish_join()
             return True, others_more
         return bool(ready) or announced > 0, others_more
+
+    def _agreed(self, r: Request | None) -> bool:
+        """Offers `r` (None: nothing) to the set's agreed all_reduce: when every member offered
+        the same name and signature, it is reduced in that one step, as execute would after a
+        negotiation, and True is returned on every member; otherwise nothing moved, on every
+        member. Only what cannot fail locally is offered (a local refusal would leave the others
+        waiting in the op): dense contiguous CPU tensors of the common dtypes, no prescale."""
+        buf, key, op = self.no_offer, 0, dist.ReduceOp.SUM
+        if (r is not None and r.kind == ALLREDUCE and not r.is_cuda and r.pre == 1.0 and r.op in _AGREED_OPS
+                and r.dtype in _AGREED_DTYPES and r.tensor.layout == torch.strided and r.tensor.is_contiguous()):
+            buf = r.tensor.view(-1) if r.output is r.tensor else r.tensor.reshape(-1).clone()
+            key = _agreed_key(r)
+            op = _AGREED_OPS[r.op]
+        else:
+            r = None
+        backend = self.group._get_backend(torch.device("cpu"))
+        backend._agreed_all_reduce(buf, self.agreed_flag, key, op).wait()
+        if r is None or not self.agreed_byte[0]:
+            return False
+        post = r.post / self.size if r.op == 0 else r.post  # Average: the sum over the set's size
+        if post != 1.0:
+            if buf.is_floating_point():
+                buf.mul_(post)
+            else:  # as Horovod: integers through a double, truncated toward zero
+                buf.copy_((buf.to(torch.float64) * post).trunc())
+        if r.output is None:
+            r.result = buf.view(r.tensor.shape)
+        self.complete(r)
+        return True
 
     def _inspect_stalls(self) -> None:
         """Horovod's stall inspector, per set: every HOROVOD_STALL_CHECK_TIME_SECONDS the set's
@@ -438,6 +482,20 @@ class SetController(threading.Thread):
         with self.cond:
             self.in_flight.pop(req.name, None)
         req.handle.part_done(req, error)
+
+
+# What the agreed all_reduce takes: Horovod's op codes (Average is a sum, scaled after) and the
+# dtypes every one of them reduces on the CPU engine.
+_AGREED_OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.SUM, 3: dist.ReduceOp.MIN, 4: dist.ReduceOp.MAX,
+               5: dist.ReduceOp.PRODUCT}
+_AGREED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+
+
+def _agreed_key(r: Request) -> int:
+    """A nonzero signed 64-bit key of the name and everything that must agree."""
+    k = (r.nhash * 0x9E3779B97F4A7C15 ^ r.sighash) & 0xFFFFFFFFFFFFFFFF
+    k = k or 1
+    return k - (1 << 64) if k >= 1 << 63 else k
 
 
 _CONTROLLERS: dict[int, SetController] = {}

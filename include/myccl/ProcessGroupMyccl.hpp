@@ -62,6 +62,12 @@ class MycclBackend final : public c10d::Backend {
   // shared-memory path). Every rank must pass the same scale. CPU engine only: a tensor that
   // onDevice() sends to the CUDA engine is refused.
   c10::intrusive_ptr<c10d::Work> allreduceScaled(at::Tensor& tensor, double scale);
+  // For c10d_ext.horovod: an all_reduce that runs only if every rank offers the same nonzero
+  // `key` with the same size and op (one step in shared memory, one host); `agreed` (one uint8)
+  // says whether it did. Ranks that disagree all get 0 and the group stays usable. CPU engine.
+  c10::intrusive_ptr<c10d::Work> agreedAllreduce(at::Tensor& tensor, at::Tensor& agreed, int64_t key,
+                                                 const c10d::ReduceOp& op);
+  bool agreedAvailable();
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,

@@ -69,6 +69,13 @@ class CpuEngine final : public Engine {
   // Sum of sparse COO tensors: every rank's (indices, values) gathered, then coalesced into `t`
   // (the same op on every rank; an engine op like any other, async when asked).
   WorkPtr allreduceSparse(OpInfo info, at::Tensor t);
+  // Horovod's agreed all_reduce (one host, shared memory): reduces `t` only if every rank offered
+  // the same nonzero `key` with the same size and reduction, and says so in `agreed` (one uint8
+  // written when the Work completes: 1 reduced, 0 untouched). Ranks that disagree all complete
+  // with 0 and the group stays usable. Where agreedAvailable() is false it writes 0 and moves
+  // nothing, alike on every rank.
+  WorkPtr agreedAllreduce(OpInfo info, at::Tensor t, const Reduction& red, uint64_t key, at::Tensor agreed);
+  bool agreedAvailable() const { return shm_ != nullptr && topo_.crossSize == 1; }
 
   WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag) override;
   WorkPtr recv(OpInfo info, at::Tensor t, int peer, int tag) override;

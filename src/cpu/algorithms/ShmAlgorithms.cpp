@@ -25,6 +25,8 @@ uint64_t reduceArg(size_t count, const ReduceSpec& spec) {
          static_cast<uint64_t>(spec.op) | (spec.divisor ? kAvgBit : 0) | (spec.scale != 0.0 ? kScaledBit : 0);
 }
 
+constexpr uint64_t kAgreedArg = 0x41475245;  // "AGRE": the agreed op's fixed word
+
 uint64_t bytesArg(size_t nbytes, uint64_t root) {
   return (static_cast<uint64_t>(nbytes) << 8) | (root & 0xff);
 }
@@ -112,6 +114,32 @@ void allreduceOneStep(CollCtx& c, ShmGroup& g, void* buf, size_t count, const Re
   g.waitAll(s, c.deadline);
   for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(data) : g.buffer(q, s & 1);
   parallelReduce(c, spec, data, ins.data(), n, count);
+}
+
+bool allreduceAgreed(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec, uint64_t key) {
+  const int n = g.size(), me = g.rank();
+  const size_t nbytes = count * dtypeSize(spec.dtype);
+  // The step itself is the same on every rank whatever each offers (a fixed agreement word), so
+  // no difference between the offers can fail the group; the offer carries the exact size and
+  // reduction beside the caller's key, so ranks never read a length they did not agree on.
+  const bool offer = key != 0 && nbytes <= g.stagingBytes();
+  StepDesc desc{c.tagBase, kAgreedArg};
+  if (offer) {
+    desc.agree[0] = key;
+    desc.agree[1] = reduceArg(count, spec);
+  }
+  c.algo = "shm-declined";  // the stats tell the two outcomes apart
+  char* data = static_cast<char*>(buf);
+  const uint32_t s = g.begin(desc, c.deadline);
+  if (offer) copy(c, g.buffer(me, s & 1), data, nbytes);
+  g.post(s);
+  g.waitAll(s, c.deadline);
+  if (!g.allAgree(s)) return false;  // every rank returns here alike: nothing was written
+  c.algo = "shm-agreed";
+  std::vector<const void*> ins(n);
+  for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(data) : g.buffer(q, s & 1);
+  parallelReduce(c, spec, data, ins.data(), n, count);
+  return true;
 }
 
 void allreduceSliced(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec, bool tryZeroCopy) {

@@ -11,6 +11,11 @@ namespace myccl::cpu::shmalg {
 
 // Every rank stages its whole buffer, every rank folds every buffer (small reductions).
 void allreduceOneStep(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec);
+// Horovod's agreed all_reduce, in one step: every rank offers `key` (0: no offer) with its data
+// (at most one staging buffer), and reduces only if every rank offered the same key, size and
+// reduction. Returns whether it reduced; ranks that disagree all return false from the same step,
+// with nothing written and the group usable.
+bool allreduceAgreed(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec, uint64_t key);
 // A reduce-scatter of staged slices then an all-gather, chunk by chunk through the staging buffers.
 void allreduceSliced(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec, bool tryZeroCopy);
 void pipelinedBroadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root, bool tryZeroCopy);

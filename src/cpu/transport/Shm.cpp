@@ -185,6 +185,17 @@ void ShmGroup::waitAll(uint32_t step, Deadline deadline) {
     if (r != rank_) wait(r, step, deadline);
 }
 
+bool ShmGroup::allAgree(uint32_t step) const {
+  const StepDesc& mine = ctrl(rank_)->desc[step % 4];
+  if (mine.agree[0] == 0) return false;  // this rank offered nothing
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const StepDesc& theirs = ctrl(r)->desc[step % 4];
+    if (theirs.agree[0] != mine.agree[0] || theirs.agree[1] != mine.agree[1]) return false;
+  }
+  return true;
+}
+
 void ShmGroup::checkDesc(int peer, uint32_t step) const {
   const StepDesc& theirs = ctrl(peer)->desc[step % 4];
   const StepDesc& mine = ctrl(rank_)->desc[step % 4];

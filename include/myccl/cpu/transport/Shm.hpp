@@ -64,6 +64,9 @@ class ShmUnavailable : public std::runtime_error {
 struct StepDesc {
   uint64_t op = 0;   // collective tag base: op code + op sequence number
   uint64_t arg = 0;  // op-specific agreement value (e.g. element count and dtype)
+  // An agreed op's offer (shmalg::allreduceAgreed): compared by allAgree(), never by checkDesc,
+  // so ranks whose offers differ all learn it in step instead of failing the group.
+  uint64_t agree[2] = {0, 0};
 };
 
 // How the local ranks of a new shared-memory group trade one string each, collectively (the
@@ -111,6 +114,9 @@ class ShmGroup {
   // Waits until local rank `peer` posted `step`, and checks it runs the same op.
   void wait(int peer, uint32_t step, Deadline deadline);
   void waitAll(uint32_t step, Deadline deadline);
+  // After waitAll(step): whether every rank published the same nonzero offer with it (the same
+  // answer on every rank, since each compares the same values).
+  bool allAgree(uint32_t step) const;
 
   // ---- point-to-point mailbox slots (used through ShmMailbox) ----
   size_t mailboxSlotBytes() const { return mailboxSlot_; }

@@ -1,0 +1,175 @@
+"""The agreed all_reduce (c10d_ext.horovod's one-step path on one host): it reduces only when every
+rank offered the same key, size and op, and ranks that disagree all learn it in the same step with
+nothing written and the group usable. Then c10d_ext.horovod on it: a synchronous hvd.allreduce is
+one collective, not a negotiation and a collective, and every case the negotiation handles still
+comes out as it did."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def _backend():
+    return dist.group.WORLD._get_backend(torch.device("cpu"))
+
+
+def _agreed(t, key, op=dist.ReduceOp.SUM):
+    flag = torch.zeros(1, dtype=torch.uint8)
+    _backend()._agreed_all_reduce(t, flag, key, op).wait()
+    return int(flag[0])
+
+
+def body_agreed_op(ctx):
+    import c10d_ext
+
+    ctx.init(timeout=30, pg_options=c10d_ext.Options(shm_buffer_bytes=4096))
+    r, n = ctx.rank, ctx.size
+    out = {"available": bool(_backend()._agreed_available)}
+
+    def mine(k=4, dtype=torch.float32):
+        return torch.full((k,), float(r + 1), dtype=dtype)
+
+    t = mine()
+    out["same"] = (_agreed(t, 7), t.tolist())
+    t = mine()
+    out["other key"] = (_agreed(t, 7 if r else 8), t.tolist())
+    t = mine(4 if r else 5)
+    out["other size"] = (_agreed(t, 7), t.tolist())
+    t = mine(dtype=torch.float64 if r else torch.float32)
+    out["other dtype"] = (_agreed(t, 7), t.tolist())
+    t = mine()
+    out["no offer"] = (_agreed(t, 0 if r == n - 1 else 7), t.tolist())
+    t = mine()
+    out["other op"] = (_agreed(t, 7, dist.ReduceOp.MAX if r else dist.ReduceOp.MIN), t.tolist())
+    t = mine()
+    out["min"] = (_agreed(t, 9, dist.ReduceOp.MIN), t.tolist())
+    t = mine(2048)  # 8 KiB: more than a staging buffer holds, on every rank
+    out["too large"] = (_agreed(t, 7), t[:2].tolist())
+    t = torch.arange(6, dtype=torch.int64).reshape(2, 3) * (r + 1)
+    out["2d int64"] = (_agreed(t, -5), t.tolist())
+    x = torch.ones(3)
+    dist.all_reduce(x)  # the group is still usable after every disagreement
+    out["after"] = x.tolist()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_agreed_all_reduce(run, size):
+    res = run(size, body_agreed_op, timeout=90)
+    total = float(sum(range(1, size + 1)))
+    for r, out in enumerate(res):
+        own = float(r + 1)
+        assert out["available"], out
+        assert out["same"] == (1, [total] * 4), (r, out)
+        for case in ("other key", "other size", "other dtype", "no offer", "other op"):
+            flag, values = out[case]
+            assert flag == 0 and all(v == own for v in values), (r, case, out[case])
+        assert out["min"] == (1, [1.0] * 4), (r, out)
+        assert out["too large"] == (0, [own, own]), (r, out)
+        s = size * (size + 1) // 2
+        assert out["2d int64"] == (1, [[0, s, 2 * s], [3 * s, 4 * s, 5 * s]]), (r, out)
+        assert out["after"] == [float(size)] * 3, (r, out)
+
+
+def body_agreed_detail_and_tcp(ctx, transport):
+    """Under MYCCL_DEBUG=DETAIL ranks that disagree still just disagree (the op skips the
+    fingerprint check, whose point it is to fail); on a group without shared memory the op is
+    not available and moves nothing, alike on every rank."""
+    import c10d_ext
+
+    ctx.init(timeout=30, pg_options=c10d_ext.Options(debug=True, transport=transport))
+    r = ctx.rank
+    t = torch.full((4 if r else 5,), float(r + 1))
+    flag = _agreed(t, 7)
+    same = torch.full((4,), float(r + 1))
+    flag_same = _agreed(same, 7)
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    return {"available": bool(_backend()._agreed_available), "flag": flag, "t": t.tolist(),
+            "same": (flag_same, same.tolist()), "after": x.tolist()}
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_agreed_under_detail_and_without_shared_memory(run, transport):
+    res = run(2, body_agreed_detail_and_tcp, transport, timeout=90)
+    for r, out in enumerate(res):
+        own = float(r + 1)
+        assert out["available"] == (transport == "auto"), out
+        assert out["flag"] == 0 and all(v == own for v in out["t"]), (r, out)
+        want = (1, [3.0] * 4) if transport == "auto" else (0, [own] * 4)
+        assert out["same"] == want, (r, out)
+        assert out["after"] == [2.0, 2.0], (r, out)
+
+
+# ---- c10d_ext.horovod on it ---------------------------------------------------------------------
+def _set_stats(hvd):
+    from c10d_ext.horovod.basics import STATE
+
+    stats = STATE.group._get_backend(torch.device("cpu")).stats()
+    return {(op, algo): count for op, algo, count, _, _ in stats}
+
+
+def body_hvd_agreed(ctx):
+    import time
+
+    from test_horovod import start, stop, value
+
+    hvd = start(ctx)
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    # warm: the set's first cycle negotiates (it makes the group's engine) and turns the path on
+    hvd.allreduce(torch.ones(1), name="warm", op=hvd.Sum)
+    before = _set_stats(hvd)
+    steps = 20
+    got = []
+    for k in range(steps):
+        got.append(hvd.allreduce(value(r, torch.float32, salt=k), name=f"g{k % 3}", op=hvd.Average).tolist())
+    inplace = value(r, torch.int64)
+    hvd.allreduce_(inplace, name="inplace", op=hvd.Sum)
+    scaled = hvd.allreduce(value(r, torch.float64), name="scaled", op=hvd.Sum, postscale_factor=0.5)
+    maxed = hvd.allreduce(value(r, torch.bfloat16), name="max", op=hvd.Max)
+    after = _set_stats(hvd)
+    out["ops"] = {f"{k[0]}/{k[1]}": after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    out["got"] = got
+    out["inplace"] = inplace.tolist()
+    out["scaled"] = scaled.tolist()
+    out["max"] = maxed.float().tolist()
+    # submitted in different orders: the agreed op disagrees and the negotiation sorts it out
+    names = ["a", "b"] if r == 0 else ["b", "a"]
+    hs = {nm: hvd.allreduce_async(value(r, torch.float32, salt=ord(nm)), name=nm, op=hvd.Sum) for nm in names}
+    out["crossed"] = {nm: hvd.synchronize(h).tolist() for nm, h in hs.items()}
+    # a shape mismatch is still Horovod's error on every rank, and the next op works
+    try:
+        hvd.allreduce(torch.ones(3 if r else 4), name="bad")
+        out["bad"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["bad"] = f"{type(e).__name__}: {e}"
+    out["next"] = hvd.allreduce(torch.ones(2), name="next", op=hvd.Sum).tolist()
+    time.sleep(0.05)
+    stop(hvd)
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_hvd_allreduce_is_one_collective(run, size):
+    from test_horovod import value
+
+    res = run(size, body_hvd_agreed, timeout=120)
+    for r, out in enumerate(res):
+        ops = out["ops"]
+        # 20 + 3 synchronous allreduces: 23 agreed ops that reduced, no negotiation
+        assert ops.get("agreed_all_reduce/shm-agreed") == 23, (r, ops)
+        assert not any(k.startswith(("all_gather", "all_reduce/")) or k.endswith("declined") for k in ops), (r, ops)
+        for k, g in enumerate(out["got"]):
+            want = sum(value(q, torch.float32, salt=k) for q in range(size)) * (1.0 / size)  # as Horovod scales
+            assert g == want.tolist(), (r, k, g)
+        assert out["inplace"] == sum(value(q, torch.int64) for q in range(size)).tolist(), (r, out)
+        assert out["scaled"] == (sum(value(q, torch.float64) for q in range(size)) * 0.5).tolist(), (r, out)
+        assert out["max"] == value(size - 1, torch.bfloat16).float().tolist(), (r, out)
+        for nm in ("a", "b"):
+            want = sum(value(q, torch.float32, salt=ord(nm)) for q in range(size)).tolist()
+            assert out["crossed"][nm] == want, (r, nm, out["crossed"])
+        assert "Mismatched ALLREDUCE tensor shapes" in out["bad"] and "bad" in out["bad"], (r, out["bad"])
+        assert out["next"] == [float(size)] * 2, (r, out)
