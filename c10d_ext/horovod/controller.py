@@ -210,6 +210,7 @@ class SetController(threading.Thread):
         self.agreed_byte = bytearray(1)  # what the op answers, read without a tensor op
         self.agreed_flag = torch.frombuffer(self.agreed_byte, dtype=torch.uint8)
         self.no_offer = torch.zeros(1)
+        self.backend = None  # the group's myccl backend, once agreed_ok is known
         self.driver = threading.Lock()  # held by whoever runs a cycle
         self.last_cycle = 0.0  # when the last cycle began (monotonic)
         self.progress = True  # the last cycle announced or ran something
@@ -383,7 +384,8 @@ class SetController(threading.Thread):
                 if tl is not None and rec[0] in self.mine:
                     tl.negotiate_rank_ready(self.mine[rec[0]].name, member)
         if self.agreed_ok is None:  # the first cycle made the group's CPU engine on every member
-            self.agreed_ok = bool(self.group._get_backend(torch.device("cpu"))._agreed_available)
+            self.backend = self.group._get_backend(torch.device("cpu"))
+            self.agreed_ok = bool(self.backend._agreed_available)
         others_more = any(f & 2 for f in flags)
         if any(f & 4 for f in flags):  # some member saw a stall past the shutdown time: all stop
             err = HorovodInternalError(f"{SHUT_DOWN} (a request waited on other ranks for longer than "
@@ -419,16 +421,12 @@ class SetController(threading.Thread):
             op = _AGREED_OPS[r.op]
         else:
             r = None
-        backend = self.group._get_backend(torch.device("cpu"))
-        backend._agreed_all_reduce(buf, self.agreed_flag, key, op).wait()
+        self.backend._agreed_all_reduce(buf, self.agreed_flag, key, op).wait()
         if r is None or not self.agreed_byte[0]:
             return False
-        post = r.post / self.size if r.op == 0 else r.post  # Average: the sum over the set's size
-        if post != 1.0:
-            if buf.is_floating_point():
-                buf.mul_(post)
-            else:  # as Horovod: integers through a double, truncated toward zero
-                buf.copy_((buf.to(torch.float64) * post).trunc())
+        from .execute import _scale
+
+        _scale(buf, r.post / self.size if r.op == 0 else r.post)  # Average: the sum over the set's size
         if r.output is None:
             r.result = buf.view(r.tensor.shape)
         self.complete(r)
