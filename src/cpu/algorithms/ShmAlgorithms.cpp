@@ -101,23 +101,31 @@ void finishZeroCopy(CollCtx& c, ShmGroup& g, const StepDesc& desc) {
 
 }  // namespace
 
-void allreduceOneStep(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec) {
+namespace {
+
+// The end of a one-step reduction: fold every peer's buffer staged in step `s` into `data`.
+void foldStaged(CollCtx& c, ShmGroup& g, uint32_t s, char* data, size_t count, const ReduceSpec& spec) {
   const int n = g.size(), me = g.rank();
-  const size_t nbytes = count * dtypeSize(spec.dtype);
-  const StepDesc desc{c.tagBase, reduceArg(count, spec)};
-  char* data = static_cast<char*>(buf);
   std::vector<const void*> ins(n);
-  c.algo = "shm-one-step";
-  const uint32_t s = g.begin(desc, c.deadline);
-  copy(c, g.buffer(me, s & 1), data, nbytes);
-  g.post(s);
-  g.waitAll(s, c.deadline);
   for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(data) : g.buffer(q, s & 1);
   parallelReduce(c, spec, data, ins.data(), n, count);
 }
 
+}  // namespace
+
+void allreduceOneStep(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec) {
+  const size_t nbytes = count * dtypeSize(spec.dtype);
+  const StepDesc desc{c.tagBase, reduceArg(count, spec)};
+  char* data = static_cast<char*>(buf);
+  c.algo = "shm-one-step";
+  const uint32_t s = g.begin(desc, c.deadline);
+  copy(c, g.buffer(g.rank(), s & 1), data, nbytes);
+  g.post(s);
+  g.waitAll(s, c.deadline);
+  foldStaged(c, g, s, data, count, spec);
+}
+
 bool allreduceAgreed(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec, uint64_t key) {
-  const int n = g.size(), me = g.rank();
   const size_t nbytes = count * dtypeSize(spec.dtype);
   // The step itself is the same on every rank whatever each offers (a fixed agreement word), so
   // no difference between the offers can fail the group; the offer carries the exact size and
@@ -131,14 +139,12 @@ bool allreduceAgreed(CollCtx& c, ShmGroup& g, void* buf, size_t count, const Red
   c.algo = "shm-declined";  // the stats tell the two outcomes apart
   char* data = static_cast<char*>(buf);
   const uint32_t s = g.begin(desc, c.deadline);
-  if (offer) copy(c, g.buffer(me, s & 1), data, nbytes);
+  if (offer) copy(c, g.buffer(g.rank(), s & 1), data, nbytes);
   g.post(s);
   g.waitAll(s, c.deadline);
   if (!g.allAgree(s)) return false;  // every rank returns here alike: nothing was written
   c.algo = "shm-agreed";
-  std::vector<const void*> ins(n);
-  for (int q = 0; q < n; ++q) ins[q] = (q == me) ? static_cast<const void*>(data) : g.buffer(q, s & 1);
-  parallelReduce(c, spec, data, ins.data(), n, count);
+  foldStaged(c, g, s, data, count, spec);
   return true;
 }
 
