@@ -77,7 +77,9 @@ WorkRef MycclBackend::agreedAllreduce(at::Tensor& tensor, at::Tensor& agreed, in
                   w, ": the answer goes into one uint8 or bool CPU element, got ", describe(agreed));
   checkWritable(w, tensor, "tensor");
   auto red = toReduction(w, tensor, op, size_, false);
-  auto i = info(OpType::ALLREDUCE, "agreed_all_reduce", c10d::kUnsetTimeout, true);
+  // Its caller always waits at once (whether it reduced is the answer): a synchronous op, which
+  // an idle engine runs on the calling thread.
+  auto i = info(OpType::ALLREDUCE, "agreed_all_reduce", c10d::kUnsetTimeout, false);
   annotate(i, tensor, -1, reduceOpName(op.op_));
   return record(engines_.cpu(w)->agreedAllreduce(std::move(i), tensor, red, static_cast<uint64_t>(key), agreed));
 }

@@ -5,3 +5,4 @@
 
 void bindReducer(pybind11::module& m);
 void bindMemory(pybind11::module& m);
+void bindHorovod(pybind11::module& m);
