@@ -173,3 +173,95 @@ def test_hvd_allreduce_is_one_collective(run, size):
             assert out["crossed"][nm] == want, (r, nm, out["crossed"])
         assert "Mismatched ALLREDUCE tensor shapes" in out["bad"] and "bad" in out["bad"], (r, out["bad"])
         assert out["next"] == [float(size)] * 2, (r, out)
+
+
+# ---- the synchronous path on the caller's thread (agreed.allreduce_now) -------------------------
+def body_hvd_now(ctx):
+    import time
+
+    from test_horovod import start, stop, value
+
+    hvd = start(ctx)
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    hvd.allreduce(torch.ones(1), name="warm", op=hvd.Sum)
+    before = _set_stats(hvd)
+    # One rank's synchronous op meets the other ranks' queued one: the same key on both paths.
+    t = value(r, torch.float32, salt=3)
+    if r == 0:
+        out["mixed"] = hvd.allreduce(t, name="mixed", op=hvd.Sum).tolist()
+    else:
+        out["mixed"] = hvd.synchronize(hvd.allreduce_async(t, name="mixed", op=hvd.Sum)).tolist()
+    # Grouped: one fused buffer of several shapes; int64 Average truncates as Horovod does.
+    shapes = [(2, 3), (4,), (1,), (0,)]
+    ints = [value(r, torch.int64, shape=s, salt=i) for i, s in enumerate(shapes)]
+    out["grouped"] = [x.tolist() for x in hvd.grouped_allreduce(ints, name="gi", op=hvd.Average)]
+    floats = [value(r, torch.float64, shape=s, salt=i) for i, s in enumerate(shapes)]
+    got = hvd.grouped_allreduce_(floats, name="gf", op=hvd.Sum, postscale_factor=0.5)
+    out["grouped_"] = [x.tolist() for x in floats]
+    out["grouped_ returns its tensors"] = all(a is b for a, b in zip(got, floats))
+    after = _set_stats(hvd)
+    out["ops"] = {f"{k[0]}/{k[1]}": after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    # The same grouped op with each rank's shapes in another order (same names, same element
+    # count): the shapes are in the key, so the negotiation reports them, nothing is summed.
+    mine = [(2, 3), (3, 2)] if r == 0 else [(3, 2), (2, 3)]
+    try:
+        hvd.grouped_allreduce([torch.ones(s) for s in mine], name="shapes", op=hvd.Sum)
+        out["shapes"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["shapes"] = f"{type(e).__name__}: {e}"
+    # One rank's grouped op meets the others' queued grouped op: they disagree in one step and
+    # the negotiation does it.
+    xs = [value(r, torch.float32, shape=(3,), salt=k) for k in range(3)]
+    if r == 0:
+        res = hvd.grouped_allreduce(xs, name="gq", op=hvd.Sum)
+    else:
+        res = hvd.synchronize(hvd.grouped_allreduce_async(xs, name="gq", op=hvd.Sum))
+    out["grouped queued"] = [x.tolist() for x in res]
+    # What the path cannot take still meets Horovod's errors, and the next op works.
+    try:
+        hvd.grouped_allreduce([torch.ones(4), torch.ones(4, 2).t()], name="nc", op=hvd.Sum)
+        out["non-contiguous"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["non-contiguous"] = f"{type(e).__name__}: {e}"
+    out["next"] = [x.tolist() for x in hvd.grouped_allreduce([torch.ones(2), torch.ones(1)], name="nx", op=hvd.Sum)]
+    # autograd through the fused path: the gradient of a Sum is the Sum of the gradients (given
+    # contiguous, as Horovod needs every tensor it reduces to be)
+    w = [torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)]
+    ys = hvd.grouped_allreduce(w, name="ag", op=hvd.Sum)
+    torch.autograd.backward(ys, [torch.full((2,), float(r + 1)), torch.ones(3)])
+    out["grads"] = [x.grad.tolist() for x in w]
+    time.sleep(0.05)
+    stop(hvd)
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_hvd_synchronous_ops_on_the_callers_thread(run, size):
+    from test_horovod import value
+
+    res = run(size, body_hvd_now, timeout=120)
+    shapes = [(2, 3), (4,), (1,), (0,)]
+    for r, out in enumerate(res):
+        assert out["mixed"] == sum(value(q, torch.float32, salt=3) for q in range(size)).tolist(), (r, out)
+        for i, s in enumerate(shapes):
+            total = sum(value(q, torch.int64, shape=s, salt=i) for q in range(size))
+            want = (total.to(torch.float64) * (1.0 / size)).trunc().to(torch.int64)
+            assert out["grouped"][i] == want.tolist(), (r, i, out["grouped"])
+            want = sum(value(q, torch.float64, shape=s, salt=i) for q in range(size)) * 0.5
+            assert out["grouped_"][i] == want.tolist(), (r, i, out["grouped_"])
+        assert out["grouped_ returns its tensors"], (r, out)
+        if size > 1:
+            # the mixed op and the two grouped ops: three agreed ops that reduced, no negotiation
+            assert out["ops"].get("agreed_all_reduce/shm-agreed") == 3, (r, out["ops"])
+            assert not any(k.startswith(("all_gather", "all_reduce/")) for k in out["ops"]), (r, out["ops"])
+            assert "Mismatched ALLREDUCE tensor shapes" in out["shapes"] and "shapes" in out["shapes"], (r, out)
+        else:
+            assert out["shapes"] == "no error", (r, out)
+        for k in range(3):
+            want = sum(value(q, torch.float32, shape=(3,), salt=k) for q in range(size)).tolist()
+            assert out["grouped queued"][k] == want, (r, k, out["grouped queued"])
+        assert out["non-contiguous"] == "ValueError: Tensor is required to be contiguous.", (r, out)
+        assert out["next"] == [[float(size)] * 2, [float(size)]], (r, out)
+        g0 = float(sum(q + 1 for q in range(size)))
+        assert out["grads"] == [[g0] * 2, [float(size)] * 3], (r, out)

@@ -314,7 +314,8 @@ def _launch(env_for, n, tmp_path):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise
+            hung = "\n".join(f"--- rank {r} ---\n{q.communicate()[0]}" for r, q in enumerate(procs))
+            raise AssertionError(f"a rank did not finish within 90 s; what each printed:\n{hung}") from None
         texts.append(out)
     # Every rank's output on failure: the first rank's error is often a consequence of another's.
     report = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{t}" for r, (p, t) in enumerate(zip(procs, texts)))

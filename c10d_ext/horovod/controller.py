@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import agreed
 from .basics import STATE
 from .exceptions import SHUT_DOWN, HorovodInternalError
 
@@ -342,8 +343,13 @@ class SetController(threading.Thread):
             # Every member opens every cycle with the agreed op, so all stay in step whatever
             # each offers; any member's "no" sends all of them to the negotiation below.
             offer_ok = tl is None and not joining and not self.joined and not more and not waiting and not self.table
-            if self._agreed(batch[0] if offer_ok and len(batch) == 1 else None):
+            if agreed.offer(self, batch[0] if offer_ok and len(batch) == 1 else None):
                 return True, False
+        return self._negotiate(batch, more, tl, joining)
+
+    def _negotiate(self, batch: list[Request], more: bool, tl, joining: bool) -> tuple[bool, bool]:
+        """The cycle's negotiation: announce `batch`, gather every member's announcements, run
+        what is ready. Returns (progress, some member has more queued)."""
         recs = [r.record() for r in batch]
         if joining:
             recs.append(self.join_req.record())
@@ -407,31 +413,6 @@ class SetController(threading.Thread):
             return True, others_more
         return bool(ready) or announced > 0, others_more
 
-    def _agreed(self, r: Request | None) -> bool:
-        """Offers `r` (None: nothing) to the set's agreed all_reduce: when every member offered
-        the same name and signature, it is reduced in that one step, as execute would after a
-        negotiation, and True is returned on every member; otherwise nothing moved, on every
-        member. Only what cannot fail locally is offered (a local refusal would leave the others
-        waiting in the op): dense contiguous CPU tensors of the common dtypes, no prescale."""
-        buf, key, op = self.no_offer, 0, dist.ReduceOp.SUM
-        if (r is not None and r.kind == ALLREDUCE and not r.is_cuda and r.pre == 1.0 and r.op in _AGREED_OPS
-                and r.dtype in _AGREED_DTYPES and r.tensor.layout == torch.strided and r.tensor.is_contiguous()):
-            buf = r.tensor.view(-1) if r.output is r.tensor else r.tensor.reshape(-1).clone()
-            key = _agreed_key(r)
-            op = _AGREED_OPS[r.op]
-        else:
-            r = None
-        self.backend._agreed_all_reduce(buf, self.agreed_flag, key, op).wait()
-        if r is None or not self.agreed_byte[0]:
-            return False
-        from .execute import _scale
-
-        _scale(buf, r.post / self.size if r.op == 0 else r.post)  # Average: the sum over the set's size
-        if r.output is None:
-            r.result = buf.view(r.tensor.shape)
-        self.complete(r)
-        return True
-
     def _inspect_stalls(self) -> None:
         """Horovod's stall inspector, per set: every HOROVOD_STALL_CHECK_TIME_SECONDS the set's
         rank 0 warns of requests that some members sent and others did not, naming the missing
@@ -480,20 +461,6 @@ class SetController(threading.Thread):
         with self.cond:
             self.in_flight.pop(req.name, None)
         req.handle.part_done(req, error)
-
-
-# What the agreed all_reduce takes: Horovod's op codes (Average is a sum, scaled after) and the
-# dtypes every one of them reduces on the CPU engine.
-_AGREED_OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.SUM, 3: dist.ReduceOp.MIN, 4: dist.ReduceOp.MAX,
-               5: dist.ReduceOp.PRODUCT}
-_AGREED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
-
-
-def _agreed_key(r: Request) -> int:
-    """A nonzero signed 64-bit key of the name and everything that must agree."""
-    k = (r.nhash * 0x9E3779B97F4A7C15 ^ r.sighash) & 0xFFFFFFFFFFFFFFFF
-    k = k or 1
-    return k - (1 << 64) if k >= 1 << 63 else k
 
 
 _CONTROLLERS: dict[int, SetController] = {}

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import basics, controller as C
+from . import agreed, basics, controller as C
 from .basics import (STATE, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,  # noqa: F401
                      gloo_enabled, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, size)
@@ -70,12 +70,18 @@ def synchronize(handle: int):
     h = _handles.get(handle)
     if h is None:
         return None
+    try:
+        return _wait(h)
+    finally:
+        with _handles_lock:
+            _handles.pop(handle, None)
+
+
+def _wait(h: C.Handle):
     if h.ctrl is not None:
         h.ctrl.drive(h)
     while not h.event.wait(0.1):
         pass
-    with _handles_lock:
-        _handles.pop(handle, None)
     if h.error is not None:
         raise HorovodInternalError(str(h.error))
     if h.cuda_event is not None:
@@ -169,6 +175,41 @@ def _allreduce_requests(tensors, outputs, prefix, name, op, pre, post, process_s
                    for nm, t, out in zip(names, tensors, outputs)]
 
 
+_GROUP_NAMES: dict = {}  # (base, n) -> the names of a grouped op's tensors
+
+
+def _allreduce_fast(tensors, inplace, prefix, name, op, pre, post, process_set):
+    """A synchronous allreduce's one-step path (agreed.allreduce_now): its results, or None when
+    the op goes through the queue as an asynchronous one would."""
+    if not agreed.can_offer(tensors, op, pre):
+        return None
+    entry = _entry(process_set, "Allreduce")
+    c = entry.controller
+    if c is None or not (c.agreed_ok or c.size == 1):
+        return None
+    base = _name(prefix, name, _next[0] + 1)
+    if prefix == "allreduce":
+        names = (base,)
+    else:
+        n = len(tensors)
+        names = _GROUP_NAMES.get((base, n))
+        if names is None:
+            if len(_GROUP_NAMES) > 1 << 12:
+                _GROUP_NAMES.clear()
+            names = _GROUP_NAMES[(base, n)] = tuple(f"{base}_{i + 1}of{n}" for i in range(n))
+    out = agreed.allreduce_now(c, tensors, inplace, names, op, post)
+    if out is None:
+        return None
+    with _handles_lock:  # the handle number the op would have had (unnamed ops are named by it)
+        _next[0] += 1
+    return out if isinstance(out, list) else _wait(out)
+
+
+@_sync
+def _allreduce_sync(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
+    return synchronize(_allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set))
+
+
 def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
     _check_tensor(tensor, _REDUCE_TYPES)
     entry, reqs = _allreduce_requests([tensor], [output], "allreduce", name, op, prescale_factor,
@@ -190,19 +231,21 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
-@_sync
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    op = _average_compat(op, average)
+    out = _allreduce_fast([tensor], True, "allreduce", name, op, prescale_factor, postscale_factor, process_set)
+    if out is not None:
+        return out[0]
+    return _allreduce_sync(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
 class HorovodAllreduce(torch.autograd.Function):
     @staticmethod
-    @_sync
     def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
         ctx.average, ctx.op = average, op
         ctx.prescale_factor, ctx.postscale_factor, ctx.process_set = prescale_factor, postscale_factor, process_set
-        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+        return _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -211,9 +254,12 @@ class HorovodAllreduce(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-@_sync
 def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    op = _average_compat(op, average)
+    out = _allreduce_fast([tensor], False, "allreduce", name, op, prescale_factor, postscale_factor, process_set)
+    if out is not None:
+        return out[0]
+    return _allreduce_sync(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -254,21 +300,33 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                                     process_set)
 
 
-@_sync
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+    op = _average_compat(op, average)
+    out = _allreduce_fast(list(tensors), True, "grouped_allreduce", name, op, prescale_factor, postscale_factor,
+                          process_set)
+    if out is not None:
+        return tuple(out)
+    return _grouped_sync(tensors, list(tensors), name, op, prescale_factor, postscale_factor, process_set)
+
+
+@_sync
+def _grouped_sync(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set):
+    return synchronize(_grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor,
                                                 process_set))
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    @_sync
     def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.average, ctx.op = average, op
         ctx.prescale_factor, ctx.postscale_factor, ctx.process_set = prescale_factor, postscale_factor, process_set
-        return synchronize(grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
-                                                   postscale_factor, process_set))
+        op = _average_compat(op, average)
+        out = _allreduce_fast(list(tensors), False, "grouped_allreduce", name, op, prescale_factor, postscale_factor,
+                              process_set)
+        if out is not None:
+            return tuple(out)
+        return _grouped_sync(list(tensors), None, name, op, prescale_factor, postscale_factor, process_set)
 
     @staticmethod
     def backward(ctx, *grad_output):
@@ -280,6 +338,9 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    if compression is Compression.none:  # what none's compress and decompress do, without a call per tensor
+        return list(HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
+                                                  *tensors))
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
     summed = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
                                            *compressed)
