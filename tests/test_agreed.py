@@ -111,17 +111,24 @@ def _set_stats(hvd):
     return {(op, algo): count for op, algo, count, _, _ in stats}
 
 
+def _warm_start(ctx):
+    """Horovod started, its set's first cycle done (it negotiates: it makes the group's engine and
+    turns the agreed path on), and the set's op counts then."""
+    from test_horovod import start
+
+    hvd = start(ctx)
+    hvd.allreduce(torch.ones(1), name="warm", op=hvd.Sum)
+    return hvd, _set_stats(hvd)
+
+
 def body_hvd_agreed(ctx):
     import time
 
-    from test_horovod import start, stop, value
+    from test_horovod import stop, value
 
-    hvd = start(ctx)
-    r, n = hvd.rank(), hvd.size()
+    hvd, before = _warm_start(ctx)
+    r = hvd.rank()
     out = {}
-    # warm: the set's first cycle negotiates (it makes the group's engine) and turns the path on
-    hvd.allreduce(torch.ones(1), name="warm", op=hvd.Sum)
-    before = _set_stats(hvd)
     steps = 20
     got = []
     for k in range(steps):
@@ -179,13 +186,11 @@ def test_hvd_allreduce_is_one_collective(run, size):
 def body_hvd_now(ctx):
     import time
 
-    from test_horovod import start, stop, value
+    from test_horovod import stop, value
 
-    hvd = start(ctx)
-    r, n = hvd.rank(), hvd.size()
+    hvd, before = _warm_start(ctx)
+    r = hvd.rank()
     out = {}
-    hvd.allreduce(torch.ones(1), name="warm", op=hvd.Sum)
-    before = _set_stats(hvd)
     # One rank's synchronous op meets the other ranks' queued one: the same key on both paths.
     t = value(r, torch.float32, salt=3)
     if r == 0:
