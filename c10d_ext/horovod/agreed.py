@@ -54,8 +54,8 @@ def _eligible(t: torch.Tensor) -> bool:
     return not t.is_cuda and t.dtype in DTYPES and t.layout == torch.strided and t.is_contiguous()
 
 
-def _finish(ctrl, buf: torch.Tensor, op: int, post: float) -> None:
-    _scale(buf, post / ctrl.size if op == 0 else post)  # Average: the sum over the set's size
+def _post_scale(ctrl, op: int, post: float) -> float:
+    return post / ctrl.size if op == 0 else post  # Average: the sum over the set's size
 
 
 def offer(ctrl, r: C.Request | None) -> bool:
@@ -69,7 +69,7 @@ def offer(ctrl, r: C.Request | None) -> bool:
         r = None
     if not _ext._agreed_all_reduce_wait(ctrl.backend, buf, ctrl.agreed_flag, key, op) or r is None:
         return False
-    _finish(ctrl, buf, r.op, r.post)
+    _scale(buf, _post_scale(ctrl, r.op, r.post))
     if r.output is None:
         r.result = buf.view(r.tensor.shape)
     ctrl.complete(r)
@@ -152,7 +152,7 @@ def allreduce_now(ctrl, tensors: list, inplace: bool, names: tuple, op: int, pos
 
 def _cycle_now(ctrl, tensors, inplace, names, op, post):
     solo = ctrl.size == 1  # nothing to reduce: the cycle is the scaling alone
-    scale = post / ctrl.size if op == 0 else post  # Average: the sum over the set's size
+    scale = _post_scale(ctrl, op, post)
     try:
         if len(tensors) == 1:
             t = tensors[0]
@@ -170,9 +170,7 @@ def _cycle_now(ctrl, tensors, inplace, names, op, post):
                 return None
             agreed = out is not False
     except BaseException as e:  # noqa: BLE001 - the set failed: every waiter must hear of it
-        err = e if isinstance(e, HorovodInternalError) else HorovodInternalError(str(e))
-        ctrl._fail(err)
-        raise HorovodInternalError(str(err)) from None
+        raise HorovodInternalError(str(ctrl.fail_with(e))) from None
     ctrl.cycles += 1
     ctrl.last_cycle = time.monotonic()
     if not agreed:
@@ -200,5 +198,5 @@ def _negotiate_now(ctrl, tensors, inplace, names, op, post) -> C.Handle:
     try:
         ctrl.progress, ctrl.others_more = ctrl._negotiate(batch, more, None, False)
     except BaseException as e:  # noqa: BLE001
-        ctrl._fail(HorovodInternalError(str(e)) if not isinstance(e, HorovodInternalError) else e)
+        ctrl.fail_with(e)
     return handle

@@ -295,7 +295,7 @@ class SetController(threading.Thread):
             self.progress, self.others_more = self._cycle(batch, more)
             return True
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
-            self._fail(HorovodInternalError(str(e)) if not isinstance(e, HorovodInternalError) else e)
+            self.fail_with(e)
             return False
 
     def drive(self, handle: "Handle") -> None:
@@ -314,6 +314,12 @@ class SetController(threading.Thread):
                     self.driver.release()
             else:
                 handle.event.wait(0.0005)
+
+    def fail_with(self, e: BaseException) -> HorovodInternalError:
+        """Fails the set with `e` as Horovod's error (what a cycle raised); returns that error."""
+        err = e if isinstance(e, HorovodInternalError) else HorovodInternalError(str(e))
+        self._fail(err)
+        return err
 
     def _fail(self, error: BaseException, stopping: bool = False) -> None:
         with self.cond:

@@ -76,7 +76,6 @@ void bindHorovod(py::module& m) {
         const size_t item = buf.element_size();
         char* base = static_cast<char*>(buf.data_ptr());
         std::vector<at::Tensor> out;
-        bool declined = false;
         {
           py::gil_scoped_release nogil;
           size_t off = 0;
@@ -85,27 +84,25 @@ void bindHorovod(py::module& m) {
             if (n) std::memcpy(base + off, t.data_ptr(), n);
             off += n;
           }
-          declined = b != nullptr && !agreedWait(*b, buf, agreed, static_cast<int64_t>(h), op);
-        }
-        if (declined) return py::bool_(false);
-        {
-          py::gil_scoped_release nogil;
-          if (scale != 1.0) {
-            if (at::isFloatingType(dtype))
-              buf.mul_(scale);
-            else
-              buf.copy_((buf.to(at::kDouble) * scale).trunc());
-          }
-          out.reserve(tensors.size());
-          size_t off = 0;
-          for (const auto& t : tensors) {
-            at::Tensor dst = inplace ? t : at::empty(t.sizes(), t.options());
-            const size_t n = t.numel() * item;
-            if (n) std::memcpy(dst.data_ptr(), base + off, n);
-            off += n;
-            out.push_back(std::move(dst));
+          if (b == nullptr || agreedWait(*b, buf, agreed, static_cast<int64_t>(h), op)) {
+            if (scale != 1.0) {
+              if (at::isFloatingType(dtype))
+                buf.mul_(scale);
+              else
+                buf.copy_((buf.to(at::kDouble) * scale).trunc());
+            }
+            out.reserve(tensors.size());
+            off = 0;
+            for (const auto& t : tensors) {
+              at::Tensor dst = inplace ? t : at::empty(t.sizes(), t.options());
+              const size_t n = t.numel() * item;
+              if (n) std::memcpy(dst.data_ptr(), base + off, n);
+              off += n;
+              out.push_back(std::move(dst));
+            }
           }
         }
+        if (out.empty()) return py::bool_(false);  // declined (a list of none is never offered)
         return py::cast(out);
       },
       py::arg("backend"), py::arg("tensors"), py::arg("agreed"), py::arg("key"), py::arg("op"), py::arg("scale"),
