@@ -270,3 +270,133 @@ def test_hvd_synchronous_ops_on_the_callers_thread(run, size):
         assert out["next"] == [[float(size)] * 2, [float(size)]], (r, out)
         g0 = float(sum(q + 1 for q in range(size)))
         assert out["grads"] == [[g0] * 2, [float(size)] * 3], (r, out)
+
+
+# ---- asynchronous allreduces: one pending list, one agreed step (agreed.defer / flush) ---------
+def body_hvd_deferred(ctx):
+    import time
+
+    from test_horovod import stop, value
+
+    from c10d_ext.horovod import controller as C
+
+    hvd, _ = _warm_start(ctx)
+    ctrl = C._CONTROLLERS[0]
+    r = hvd.rank()
+    out = {}
+    before, c0 = _set_stats(hvd), ctrl.cycles
+    # Small tensors fused (three to a buffer under this test's fusion threshold), two of more
+    # than a megabyte reduced alone (one in place), in-place ones, a grouped op; waited for in
+    # another order than they were submitted.
+    small = [value(r, torch.float32, shape=(7,), salt=i) for i in range(40)]
+    big = value(r, torch.float32, shape=(300_000,), salt=1)
+    big_copy = value(r, torch.float32, shape=(300_000,), salt=2)
+    inplace = [value(r, torch.float32, shape=(3,), salt=50 + i) for i in range(5)]
+    grouped = [value(r, torch.float32, shape=s, salt=60 + i) for i, s in enumerate([(2, 2), (5,), (0,)])]
+    hs = [hvd.allreduce_async(t, name=f"s{i}", op=hvd.Sum) for i, t in enumerate(small)]
+    hb = hvd.allreduce_async_(big, name="big", op=hvd.Sum)
+    hc = hvd.allreduce_async(big_copy, name="bigc", op=hvd.Sum)
+    hi = [hvd.allreduce_async_(t, name=f"i{i}", op=hvd.Sum) for i, t in enumerate(inplace)]
+    hg = hvd.grouped_allreduce_async(grouped, name="grp", op=hvd.Sum)
+    out["held"] = len(ctrl.pending)
+    try:
+        hvd.allreduce_async(torch.ones(1), name="s3", op=hvd.Sum)
+        out["dup"] = "no error"
+    except ValueError as e:
+        out["dup"] = str(e)
+    out["grouped"] = [x.tolist() for x in hvd.synchronize(hg)]
+    out["big is itself"] = hvd.synchronize(hb) is big
+    out["big"] = big[:4].tolist() + big[-2:].tolist()
+    copy = hvd.synchronize(hc)
+    out["big copy"] = [copy[:4].tolist(), big_copy[:2].tolist()]
+    out["inplace"] = [hvd.synchronize(h) is t for h, t in zip(hi, inplace)]
+    out["inplace values"] = [t.tolist() for t in inplace]
+    out["small"] = [hvd.synchronize(h).tolist() for h in hs]
+    out["cycles"] = ctrl.cycles - c0
+    after = _set_stats(hvd)
+    out["ops"] = {f"{k[0]}/{k[1]}": after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    # Another op than the list's goes to the queue, after the list; int64 Average truncates.
+    a = hvd.allreduce_async(value(r, torch.float32, salt=7), name="a", op=hvd.Sum)
+    b = hvd.allreduce_async(value(r, torch.int64, salt=8), name="b", op=hvd.Average)
+    out["queued after"] = [hvd.synchronize(b).tolist(), hvd.synchronize(a).tolist()]
+    # The lists differ: rank 0 waits after two ops, the others after three. The negotiation
+    # sorts it out, and the third op (queued on rank 0 behind what others announced) too.
+    hs = [hvd.allreduce_async(value(r, torch.float64, salt=20 + k), name=f"u{k}", op=hvd.Sum)
+          for k in range(2 if r == 0 else 3)]
+    got = [hvd.synchronize(hs[0]).tolist()]
+    if r == 0:
+        hs.append(hvd.allreduce_async(value(r, torch.float64, salt=22), name="u2", op=hvd.Sum))
+    got += [hvd.synchronize(h).tolist() for h in hs[1:]]
+    out["uneven"] = got
+    out["next"] = hvd.allreduce(torch.ones(2), name="next", op=hvd.Sum).tolist()
+    time.sleep(0.05)
+    stop(hvd)
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_hvd_async_allreduces_run_as_one_agreed_step(run, size):
+    from test_horovod import value
+
+    from c10d_ext.horovod.exceptions import DUPLICATE_NAME
+
+    # No list runs on the thread's timer here (a cycle time of 10 s): only the callers run them.
+    env = {"HOROVOD_CYCLE_TIME": "10000", "HOROVOD_FUSION_THRESHOLD": "100"}
+    res = run(size, body_hvd_deferred, env=env, timeout=120)
+
+    def total(dtype, shape=(5,), salt=0):
+        return sum(value(q, dtype, shape=shape, salt=salt) for q in range(size))
+
+    for r, out in enumerate(res):
+        assert out["held"] == 40 + 2 + 5 + 1, (r, out["held"])
+        assert out["dup"] == DUPLICATE_NAME, (r, out["dup"])
+        want = [total(torch.float32, s, 60 + i).tolist() for i, s in enumerate([(2, 2), (5,), (0,)])]
+        assert out["grouped"] == want, (r, out["grouped"])
+        assert out["big is itself"], (r, out)
+        b = total(torch.float32, (300_000,), 1)
+        assert out["big"] == b[:4].tolist() + b[-2:].tolist(), (r, out["big"])
+        c = total(torch.float32, (300_000,), 2)
+        assert out["big copy"] == [c[:4].tolist(), value(r, torch.float32, (300_000,), 2)[:2].tolist()], (r, out)
+        assert out["inplace"] == [True] * 5, (r, out)
+        assert out["inplace values"] == [total(torch.float32, (3,), 50 + i).tolist() for i in range(5)], (r, out)
+        assert out["small"] == [total(torch.float32, (7,), i).tolist() for i in range(40)], (r, out["small"])
+        assert out["cycles"] == 1, (r, out["cycles"])
+        if size > 1:
+            # one agreed op carried the agreement (the first fusion buffer), the other buffers and
+            # the two big tensors followed as plain all_reduces: nothing was negotiated
+            assert out["ops"].get("agreed_all_reduce/shm-agreed") == 1, (r, out["ops"])
+            assert not any(k.startswith("all_gather") or k.endswith("declined") for k in out["ops"]), (r, out["ops"])
+            assert sum(v for k, v in out["ops"].items() if k.startswith("all_reduce/")) >= 2 + 14, (r, out["ops"])
+        else:
+            assert out["ops"] == {}, (r, out["ops"])
+        avg = (total(torch.int64, salt=8).to(torch.float64) * (1.0 / size)).trunc().to(torch.int64)
+        assert out["queued after"] == [avg.tolist(), total(torch.float32, salt=7).tolist()], (r, out)
+        assert out["uneven"] == [total(torch.float64, salt=20 + k).tolist() for k in range(3)], (r, out["uneven"])
+        assert out["next"] == [float(size)] * 2, (r, out)
+
+
+def body_hvd_deferred_timer(ctx):
+    import time
+
+    from test_horovod import stop, value
+
+    hvd, _ = _warm_start(ctx)
+    r = hvd.rank()
+    # Nobody waits: the set's thread runs the list once no op joined it for a while.
+    h = hvd.allreduce_async(value(r, torch.float32, salt=4), name="t", op=hvd.Sum)
+    deadline = time.monotonic() + 30
+    while not hvd.poll(h) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out = {"polled": hvd.poll(h), "value": hvd.synchronize(h).tolist()}
+    stop(hvd)
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_hvd_async_allreduce_completes_without_synchronize(run, size):
+    from test_horovod import value
+
+    res = run(size, body_hvd_deferred_timer, timeout=90)
+    for r, out in enumerate(res):
+        assert out["polled"], (r, out)
+        assert out["value"] == sum(value(q, torch.float32, salt=4) for q in range(size)).tolist(), (r, out)

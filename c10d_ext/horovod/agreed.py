@@ -20,6 +20,7 @@ others waiting in the op): dense contiguous CPU tensors of the common dtypes, no
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -27,8 +28,9 @@ import torch.distributed as dist
 
 from .. import _C as _ext
 from . import controller as C
-from .exceptions import HorovodInternalError
-from .execute import _scale
+from .basics import STATE
+from .exceptions import DUPLICATE_NAME, SHUT_DOWN, HorovodInternalError
+from .execute import ALONE_BYTES, _scale
 
 # Horovod's op codes the agreed op takes (Average is a sum, scaled after) and the dtypes every one
 # of them reduces on the CPU engine.
@@ -131,7 +133,7 @@ def allreduce_now(ctrl, tensors: list, inplace: bool, names: tuple, op: int, pos
     try:
         with ctrl.cond:
             if (ctrl.failed is not None or ctrl.stopping or ctrl.queue or ctrl.mine or ctrl.table
-                    or ctrl.join_req is not None or ctrl.joined):
+                    or ctrl.pending or ctrl.join_req is not None or ctrl.joined):
                 return None
             for nm in names:
                 if nm in ctrl.in_flight:
@@ -151,41 +153,51 @@ def allreduce_now(ctrl, tensors: list, inplace: bool, names: tuple, op: int, pos
 
 
 def _cycle_now(ctrl, tensors, inplace, names, op, post):
-    solo = ctrl.size == 1  # nothing to reduce: the cycle is the scaling alone
-    scale = _post_scale(ctrl, op, post)
     try:
-        if len(tensors) == 1:
-            t = tensors[0]
-            buf = t if inplace else t.clone()  # the op takes any contiguous shape: no views
-            agreed = solo or _ext._agreed_all_reduce_wait(ctrl.backend, buf, ctrl.agreed_flag,
-                                                          _key_one(names[0], t, op, post), OPS[op])
-            if agreed:
-                _scale(buf, scale)
-                out = [buf]
-        else:
-            out = _ext._agreed_all_reduce_many(None if solo else ctrl.backend, tensors, ctrl.agreed_flag,
-                                               0 if solo else _key_many(names, op, post), OPS[op], scale, inplace,
-                                               ctrl.fusion_threshold)
-            if out is None:  # a tensor it cannot offer, or more than one fusion buffer: nothing ran
-                return None
-            agreed = out is not False
+        out = run_list(ctrl, tensors, [inplace] * len(tensors), names, op, post)
     except BaseException as e:  # noqa: BLE001 - the set failed: every waiter must hear of it
         raise HorovodInternalError(str(ctrl.fail_with(e))) from None
-    ctrl.cycles += 1
-    ctrl.last_cycle = time.monotonic()
-    if not agreed:
-        return _negotiate_now(ctrl, tensors, inplace, names, op, post)
+    if out is None:  # a tensor it cannot offer: nothing ran
+        return None
+    _cycled(ctrl)
+    if out is False:
+        reqs = [C.Request(C.ALLREDUCE, nm, t, t if inplace else None, op=op, post=post)
+                for nm, t in zip(names, tensors)]
+        handle = C.Handle(reqs, lambda: [r.result if r.output is None else r.output for r in reqs])
+        handle.ctrl = ctrl
+        _negotiate_now(ctrl, reqs)
+        return handle
     ctrl.progress, ctrl.others_more = True, False
     return out
 
 
-def _negotiate_now(ctrl, tensors, inplace, names, op, post) -> C.Handle:
-    """The members disagreed: the op's requests go first into the queue and on into this cycle's
+def _cycled(ctrl) -> None:
+    ctrl.cycles += 1
+    ctrl.last_cycle = time.monotonic()
+
+
+def run_list(ctrl, tensors, inplace, names, op, post):
+    """One agreed step of `tensors` (named `names`; `inplace` per tensor): the results (a list)
+    when every member offered the same, False when not (nothing written), None when a tensor
+    cannot be offered (nothing ran). A set of one reduces nothing: the step is the scaling."""
+    solo = ctrl.size == 1
+    scale = _post_scale(ctrl, op, post)
+    if len(tensors) == 1:  # the key a queued cycle offers for the same request (offer)
+        t = tensors[0]
+        buf = t if inplace[0] else t.clone()  # the op takes any contiguous shape: no views
+        if not solo and not _ext._agreed_all_reduce_wait(ctrl.backend, buf, ctrl.agreed_flag,
+                                                         _key_one(names[0], t, op, post), OPS[op]):
+            return False
+        _scale(buf, scale)
+        return [buf]
+    return _ext._agreed_all_reduce_many(None if solo else ctrl.backend, tensors, inplace, ctrl.agreed_flag,
+                                        0 if solo else _key_many(names, op, post), OPS[op], scale,
+                                        ctrl.fusion_threshold, ALONE_BYTES)
+
+
+def _negotiate_now(ctrl, reqs, tl=None) -> None:
+    """The members disagreed: `reqs` go first into the queue and on into this cycle's
     negotiation, exactly as a queued cycle goes on after the agreed op said no."""
-    reqs = [C.Request(C.ALLREDUCE, nm, t, t if inplace else None, op=op, post=post)
-            for nm, t in zip(names, tensors)]
-    handle = C.Handle(reqs, lambda: [r.result if r.output is None else r.output for r in reqs])
-    handle.ctrl = ctrl
     with ctrl.cond:
         for r in reqs:
             ctrl.in_flight[r.name] = r
@@ -196,7 +208,125 @@ def _negotiate_now(ctrl, tensors, inplace, names, op, post) -> C.Handle:
     for r in batch:  # from here a failure of the set completes them with its error
         ctrl.mine[r.nhash] = r
     try:
-        ctrl.progress, ctrl.others_more = ctrl._negotiate(batch, more, None, False)
+        ctrl.progress, ctrl.others_more = ctrl._negotiate(batch, more, tl, False)
     except BaseException as e:  # noqa: BLE001
         ctrl.fail_with(e)
-    return handle
+
+
+# ---- asynchronous allreduces: held for the set's next agreed step -----------------------------
+class Deferred(C.Handle):
+    """One asynchronous allreduce (or grouped allreduce) waiting in its set's pending list, and
+    its handle. The list runs as one agreed step (``flush``) when a caller waits on one of its
+    ops, or on the set's thread once no op joined it for PENDING_IDLE cycle times. Until then
+    the list's ops share one event (an Event per op costs more than the rest of the op); its
+    value is ``out`` when the step agreed, else what its requests in the negotiation hold."""
+
+    __slots__ = ("names", "tensors", "inplace", "single", "out", "reqs", "op", "post")
+
+    def __init__(self, ctrl, event, tensors, inplace, names, op, post, single):
+        self.remaining, self.error, self.event, self.cuda_event, self.ctrl = 1, None, event, None, ctrl
+        self.names, self.tensors, self.inplace, self.single = names, tensors, inplace, single
+        self.op, self.post = op, post
+        self.out = self.reqs = None
+
+    def finish(self):  # what synchronize returns
+        out = self.out
+        if out is None:  # it went on into the negotiation
+            out = [r.result if r.output is None else r.output for r in self.reqs]
+        return out[0] if self.single else tuple(out)
+
+
+# A pending list runs once no op joined it for this many cycle times (HOROVOD_CYCLE_TIME), and at
+# the latest this many after it began. Where the lists of two members end differs only when one
+# of them runs on its timer: then the negotiation sorts the requests out.
+PENDING_IDLE, PENDING_CAP = 5, 50
+
+
+def can_defer(tensors, op: int, pre: float) -> bool:
+    if pre != 1.0 or op not in OPS or C.TIMELINE[0] is not None:
+        return False
+    for t in tensors:
+        if not _eligible(t):
+            return False
+    return True
+
+
+def defer(ctrl, tensors: list, inplace: bool, names: tuple, op: int, post: float, single: bool):
+    """Adds an asynchronous allreduce (checked by can_defer) to the set's pending list; returns
+    its handle, or None when the set is not idle (queued or announced requests, a join, a
+    pending list of another op or factor) and the op is queued instead."""
+    if not (ctrl.agreed_ok or ctrl.size == 1):
+        return None
+    with ctrl.lock:  # the lock of ctrl.cond (its own context manager costs more here)
+        if ctrl.failed is not None or ctrl.stopping:
+            raise HorovodInternalError(SHUT_DOWN)
+        pending = ctrl.pending
+        if (ctrl.queue or ctrl.mine or ctrl.table or ctrl.join_req is not None or ctrl.joined
+                or (pending and (pending[0].op, pending[0].post) != (op, post))):
+            return None
+        flight = ctrl.in_flight
+        for nm in names:
+            if nm in flight:
+                raise ValueError(DUPLICATE_NAME)
+        ctrl.pending_last = now = time.monotonic()
+        if not pending:
+            ctrl.pending_first = now
+            ctrl.pending_event = threading.Event()
+            ctrl.cond.notify()
+        d = Deferred(ctrl, ctrl.pending_event, tensors, inplace, names, op, post, single)
+        for nm in names:
+            flight[nm] = d
+        pending.append(d)
+    return d
+
+
+def pending_due(ctrl) -> float:
+    """When the set's thread runs its pending list (monotonic), unless a caller does first."""
+    return min(ctrl.pending_last + PENDING_IDLE * ctrl.cycle_time, ctrl.pending_first + PENDING_CAP * ctrl.cycle_time)
+
+
+def flush(ctrl, batch: list) -> None:
+    """Runs a pending list as one cycle (its caller holds the set's cycle): one agreed step of all
+    its tensors, or, when the members' lists differ, the negotiation of their requests."""
+    tensors, inplace, names = [], [], []
+    for d in batch:
+        tensors += d.tensors
+        inplace += [d.inplace] * len(d.tensors)
+        names += d.names
+    op, post = batch[0].op, batch[0].post
+    tl = C.TIMELINE[0] if STATE.rank == 0 else None
+    try:
+        out = None if tl is not None else run_list(ctrl, tensors, inplace, tuple(names), op, post)
+        if out is None and ctrl.agreed_ok:  # nothing ran: the cycle still opens with the agreed op
+            offer(ctrl, None)
+    except BaseException as e:  # noqa: BLE001 - the set failed: every waiter must hear of it
+        err = ctrl.fail_with(e)
+        for d in batch:
+            d.fail(err)
+        return
+    _cycled(ctrl)
+    if not out:
+        reqs = []
+        for d in batch:  # each its own event from here: its requests complete one by one
+            d.event = threading.Event()
+            d.reqs = [C.Request(C.ALLREDUCE, nm, t, t if d.inplace else None, op=op, post=post)
+                      for nm, t in zip(d.names, d.tensors)]
+            d.remaining = len(d.reqs)
+            for r in d.reqs:
+                r.handle = d
+            reqs += d.reqs
+        if tl is not None:
+            tl.mark_cycle_start()
+        _negotiate_now(ctrl, reqs, tl)
+        return
+    ctrl.progress, ctrl.others_more = True, False
+    with ctrl.cond:
+        for nm in names:
+            ctrl.in_flight.pop(nm, None)
+    at = 0
+    for d in batch:
+        n = len(d.tensors)
+        d.out = out[at:at + n]
+        d.remaining = 0
+        at += n
+    batch[0].event.set()  # the list's one event

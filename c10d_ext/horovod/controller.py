@@ -126,6 +126,12 @@ class Handle:
         for r in parts:
             r.handle = self
 
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.remaining = 0
+        self.event.set()
+
     def part_done(self, req: Request, error: BaseException | None = None) -> None:
         if error is not None and self.error is None:
             self.error = error
@@ -183,9 +189,13 @@ class SetController(threading.Thread):
         self.size = len(entry.ranks)
         self.me = entry.ranks.index(STATE.rank)
         self.is_global = entry.id == 0
-        self.cond = threading.Condition()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.queue: list[Request] = []
-        self.in_flight: dict[str, Request] = {}  # name -> request, for the duplicate check
+        self.in_flight: dict = {}  # name -> request (or agreed.Deferred), for the duplicate check
+        self.pending: list = []  # asynchronous allreduces held for one agreed step (agreed.defer)
+        self.pending_first = self.pending_last = 0.0
+        self.pending_event = None  # the pending list's one event
         self.mine: dict[int, Request] = {}  # announced here, not done: name hash -> request
         self.table: dict[int, Announced] = {}
         self.joined: dict[int, int] = {}  # member -> cycle it joined in
@@ -257,20 +267,28 @@ class SetController(threading.Thread):
             self._loop()
 
     def _has_work(self) -> bool:
-        return bool(self.queue or self.mine or self.join_req)
+        return bool(self.queue or self.mine or self.join_req or self.pending)
 
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not (self._has_work() or self.stopping or self.failed):
+                while not (self.stopping or self.failed):
+                    if self.queue or self.mine or self.join_req:
+                        # Horovod's cycle: asynchronous requests gather for up to one cycle time
+                        # after the last cycle began, so that those submitted together fuse.
+                        pause = self.last_cycle + self.cycle_time - time.monotonic()
+                        if pause > 0:
+                            self.cond.wait(pause)
+                        break
+                    if self.pending:  # runs once none came for a cycle time (or a caller runs it)
+                        pause = agreed.pending_due(self) - time.monotonic()
+                        if pause <= 0:
+                            break
+                        self.cond.wait(pause)
+                        continue
                     self.cond.wait()
                 if self.stopping or self.failed:
                     break
-                # Horovod's cycle: asynchronous requests gather for up to one cycle time after
-                # the last cycle began, so that those submitted together fuse.
-                pause = self.last_cycle + self.cycle_time - time.monotonic()
-                if pause > 0:
-                    self.cond.wait(pause)
             with self.driver:
                 if not self.step():
                     return
@@ -283,14 +301,21 @@ class SetController(threading.Thread):
         with self.cond:
             if self.failed or self.stopping or not self._has_work():
                 return not self.failed
-            if not self.queue and not self.progress and not self.others_more:
-                # Requests wait on peers and nothing changed: one cycle time, or new work.
-                self.cond.wait(self.cycle_time)
-                if self.stopping:
-                    return True
-            batch = self.queue[:SLOTS]
-            del self.queue[:SLOTS]
-            more = bool(self.queue)
+            deferred = self.pending
+            if deferred:  # before anything queued: it came first
+                self.pending = []
+            else:
+                if not self.queue and not self.progress and not self.others_more:
+                    # Requests wait on peers and nothing changed: one cycle time, or new work.
+                    self.cond.wait(self.cycle_time)
+                    if self.stopping:
+                        return True
+                batch = self.queue[:SLOTS]
+                del self.queue[:SLOTS]
+                more = bool(self.queue)
+        if deferred:
+            agreed.flush(self, deferred)
+            return self.failed is None
         try:
             self.progress, self.others_more = self._cycle(batch, more)
             return True
@@ -326,12 +351,16 @@ class SetController(threading.Thread):
             if not stopping and self.failed is None:
                 self.failed = error
             reqs = list(self.mine.values()) + self.queue + ([self.join_req] if self.join_req else [])
+            deferred = self.pending
+            self.pending = []
             self.mine.clear()
             self.queue.clear()
             self.in_flight.clear()
             self.join_req = None
         for r in reqs:
             r.handle.part_done(r, error)
+        for d in deferred:
+            d.handle.fail(error)
         if not stopping:
             log.warning("hvd: process set %d failed: %s", self.entry.id, error)
 

@@ -1,13 +1,17 @@
 // The module's part for c10d_ext.horovod: its one-step path, the agreed all_reduce
-// (MycclBackend::agreedAllreduce) waited for on the caller's thread, of one tensor or of many
-// fused into one buffer. What Python would pay per tensor (checks, views, the key's shapes) is
-// paid here once per op.
+// (MycclBackend::agreedAllreduce) waited for on the caller's thread, of one tensor or of a list
+// (fused as Horovod fuses, the agreement riding on the first buffer). What Python would pay per
+// tensor (checks, views, the key's shapes) is paid here once per op.
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
+#include <utility>
+#include <vector>
 
 #include "Bindings.hpp"
 #include "myccl/ProcessGroupMyccl.hpp"
@@ -38,6 +42,47 @@ uint64_t mix(uint64_t h, uint64_t v) {
   return h * 0x100000001B3ull;
 }
 
+// One collective of an agreed list: a fusion buffer of tensors of one dtype, or one tensor alone.
+struct Chunk {
+  std::vector<size_t> members;
+  int64_t numel = 0;
+  bool fused = false;
+};
+
+// Horovod's fusion, the same on every rank for the same list: a tensor of `aloneBytes` or more (or
+// every tensor, with no fusion threshold) goes alone; smaller ones join the open buffer of their
+// dtype until it would pass `fuseBytes`. Buffers run in the order they were opened.
+std::vector<Chunk> plan(const std::vector<at::Tensor>& tensors, int64_t fuseBytes, int64_t aloneBytes) {
+  std::vector<Chunk> chunks;
+  std::vector<std::pair<at::ScalarType, size_t>> open;  // dtype -> its open buffer
+  std::vector<int64_t> bytes;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
+    if (fuseBytes <= 0 || n >= aloneBytes || n > fuseBytes) {
+      chunks.push_back(Chunk{{i}, t.numel(), false});
+      bytes.push_back(n);
+      continue;
+    }
+    auto it = std::find_if(open.begin(), open.end(), [&](const auto& o) { return o.first == t.scalar_type(); });
+    if (it != open.end() && bytes[it->second] + n > fuseBytes) {
+      open.erase(it);
+      it = open.end();
+    }
+    if (it == open.end()) {
+      open.emplace_back(t.scalar_type(), chunks.size());
+      chunks.push_back(Chunk{{}, 0, true});
+      bytes.push_back(0);
+      it = std::prev(open.end());
+    }
+    Chunk& c = chunks[it->second];
+    c.members.push_back(i);
+    c.numel += t.numel();
+    bytes[it->second] += n;
+  }
+  return chunks;
+}
+
 }  // namespace
 
 void bindHorovod(py::module& m) {
@@ -45,66 +90,91 @@ void bindHorovod(py::module& m) {
   m.def("_agreed_all_reduce_wait", &agreedWait, py::arg("backend"), py::arg("tensor"), py::arg("agreed"),
         py::arg("key"), py::arg("op"), py::call_guard<py::gil_scoped_release>());
 
-  // Many tensors of one dtype as one fused buffer. `key` stands for their names and what else
-  // must agree; their shapes and dtype are folded in here. Returns None when one of them is not
-  // what the op offers (not a dense contiguous CPU tensor of a reducible dtype, or dtypes
-  // differ) or when they come to more than `max_bytes` (Horovod's fusion threshold: its fusion
-  // would split them): nothing ran. False when the ranks did not all agree: nothing was written. Otherwise
-  // the results, scaled by `scale` as Horovod scales (integers through a double, truncated): the
-  // tensors themselves (`inplace`) or new ones. Without a backend (a set of one) nothing is
-  // reduced. Per tensor, no view and no Python object is made beyond the results.
+  // Many tensors as one agreed step: the key (their names and what else must agree, with every
+  // tensor's dtype and shape folded in here) goes with the first collective, so the rest run
+  // only where every rank offered the same list. Tensors under `alone_bytes` are fused, per
+  // dtype, into buffers of at most `fuse_bytes` (Horovod's fusion threshold; 0: no fusion);
+  // larger ones are reduced where they lie (in place) or in a copy. Returns None when one of
+  // them is not what the op offers (not a dense contiguous CPU tensor of a reducible dtype):
+  // nothing ran. False when the ranks did not all agree: nothing was written. Otherwise the
+  // results, scaled by `scale` as Horovod scales (integers through a double, truncated): each
+  // tensor itself where `inplace` says so, else a new one. Without a backend (a set of one)
+  // nothing is reduced.
   m.def(
       "_agreed_all_reduce_many",
-      [](myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors, at::Tensor& agreed, int64_t key,
-         const c10d::ReduceOp& op, double scale, bool inplace, int64_t maxBytes) -> py::object {
-        if (tensors.empty()) return py::none();
-        const auto dtype = tensors[0].scalar_type();
-        if (!offerable(dtype)) return py::none();
-        uint64_t h = mix(static_cast<uint64_t>(key), static_cast<uint64_t>(dtype));
-        int64_t total = 0;
+      [](myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors, const std::vector<bool>& inplace,
+         at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op, double scale, int64_t fuseBytes,
+         int64_t aloneBytes) -> py::object {
+        if (tensors.empty() || inplace.size() != tensors.size()) return py::none();
+        uint64_t h = static_cast<uint64_t>(key);
         for (const auto& t : tensors) {
-          if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || t.scalar_type() != dtype ||
+          if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !offerable(t.scalar_type()) ||
               !t.is_contiguous())
             return py::none();
-          h = mix(h, static_cast<uint64_t>(t.dim()));
+          h = mix(mix(h, static_cast<uint64_t>(t.scalar_type())), static_cast<uint64_t>(t.dim()));
           for (int64_t s : t.sizes()) h = mix(h, static_cast<uint64_t>(s));
-          total += t.numel();
         }
-        if (total * static_cast<int64_t>(c10::elementSize(dtype)) > maxBytes) return py::none();
         if (h == 0) h = 1;  // 0 means "no offer"
-        at::Tensor buf = at::empty({total}, tensors[0].options());
-        const size_t item = buf.element_size();
-        char* base = static_cast<char*>(buf.data_ptr());
-        std::vector<at::Tensor> out;
+        std::vector<at::Tensor> out(tensors.size());
+        bool ok = true;
         {
           py::gil_scoped_release nogil;
-          size_t off = 0;
-          for (const auto& t : tensors) {
-            const size_t n = t.numel() * item;
-            if (n) std::memcpy(base + off, t.data_ptr(), n);
-            off += n;
-          }
-          if (b == nullptr || agreedWait(*b, buf, agreed, static_cast<int64_t>(h), op)) {
+          const auto chunks = plan(tensors, fuseBytes, aloneBytes);
+          for (size_t c = 0; c < chunks.size() && ok; ++c) {
+            const Chunk& ch = chunks[c];
+            const bool alone = ch.members.size() == 1 && !ch.fused;
+            const at::Tensor& first = tensors[ch.members[0]];
+            at::Tensor buf;
+            if (alone)
+              buf = inplace[ch.members[0]] ? first : first.clone();
+            else
+              buf = at::empty({ch.numel}, first.options());
+            char* base = static_cast<char*>(buf.data_ptr());
+            const size_t item = buf.element_size();
+            if (!alone) {
+              size_t off = 0;
+              for (size_t i : ch.members) {
+                const size_t n = tensors[i].numel() * item;
+                if (n) std::memcpy(base + off, tensors[i].data_ptr(), n);
+                off += n;
+              }
+            }
+            if (b != nullptr) {
+              if (c == 0) {
+                ok = agreedWait(*b, buf, agreed, static_cast<int64_t>(h), op);
+                if (!ok) break;
+              } else {
+                std::vector<at::Tensor> one{buf};
+                c10d::AllreduceOptions opts;
+                opts.reduceOp = op;
+                opts.asyncOp = false;
+                b->allreduce(one, opts)->wait();
+              }
+            }
             if (scale != 1.0) {
-              if (at::isFloatingType(dtype))
+              if (at::isFloatingType(buf.scalar_type()))
                 buf.mul_(scale);
               else
                 buf.copy_((buf.to(at::kDouble) * scale).trunc());
             }
-            out.reserve(tensors.size());
-            off = 0;
-            for (const auto& t : tensors) {
-              at::Tensor dst = inplace ? t : at::empty(t.sizes(), t.options());
+            if (alone) {
+              out[ch.members[0]] = buf;
+              continue;
+            }
+            size_t off = 0;
+            for (size_t i : ch.members) {
+              const at::Tensor& t = tensors[i];
+              at::Tensor dst = inplace[i] ? t : at::empty(t.sizes(), t.options());
               const size_t n = t.numel() * item;
               if (n) std::memcpy(dst.data_ptr(), base + off, n);
               off += n;
-              out.push_back(std::move(dst));
+              out[i] = std::move(dst);
             }
           }
         }
-        if (out.empty()) return py::bool_(false);  // declined (a list of none is never offered)
+        if (!ok) return py::bool_(false);  // declined (a list of none is never offered)
         return py::cast(out);
       },
-      py::arg("backend"), py::arg("tensors"), py::arg("agreed"), py::arg("key"), py::arg("op"), py::arg("scale"),
-      py::arg("inplace"), py::arg("max_bytes"));
+      py::arg("backend"), py::arg("tensors"), py::arg("inplace"), py::arg("agreed"), py::arg("key"), py::arg("op"),
+      py::arg("scale"), py::arg("fuse_bytes"), py::arg("alone_bytes"));
 }

@@ -1,0 +1,125 @@
+"""What every op of ``mpi_ops`` shares: Horovod's op codes, the dtypes each op family takes, the
+handles an asynchronous op returns (``poll``, ``synchronize``) and the steps of enqueueing
+(argument checks in Horovod's words, naming, submitting requests to a set's controller)."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from . import controller as C
+from .basics import STATE
+from .exceptions import NOT_INITIALIZED, HorovodInternalError
+from .process_sets import _lookup
+
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+
+_REDUCE_TYPES = {torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.bfloat16}
+_MOVE_TYPES = _REDUCE_TYPES | {torch.uint8, torch.int8, torch.int16}
+
+_handles: dict[int, C.Handle] = {}
+_local = threading.local()  # .sync: inside a synchronous op, whose caller drives the cycles
+_handles_lock = threading.Lock()
+_next = [0]
+
+
+# ---- handles ----------------------------------------------------------------------------------
+def _new_handle(handle: C.Handle) -> int:
+    with _handles_lock:
+        _next[0] += 1
+        _handles[_next[0]] = handle
+        return _next[0]
+
+
+def _peek_handle() -> int:
+    return _next[0] + 1
+
+
+def poll(handle: int) -> bool:
+    h = _handles.get(handle)
+    if h is None:
+        raise ValueError(f"Handle {handle} was not created or has been cleared.")
+    return h.event.is_set()
+
+
+def synchronize(handle: int):
+    h = _handles.get(handle)
+    if h is None:
+        return None
+    try:
+        return _wait(h)
+    finally:
+        with _handles_lock:
+            _handles.pop(handle, None)
+
+
+def _wait(h: C.Handle):
+    if h.ctrl is not None:
+        h.ctrl.drive(h)
+    while not h.event.wait(0.1):
+        pass
+    if h.error is not None:
+        raise HorovodInternalError(str(h.error))
+    if h.cuda_event is not None:
+        torch.cuda.current_stream().wait_event(h.cuda_event)
+    return h.finish()
+
+
+# ---- enqueueing -------------------------------------------------------------------------------
+def _average_compat(op, average):
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning)
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+def _check_tensor(tensor, types) -> None:
+    if tensor.dtype not in types:
+        raise ValueError("Tensor type %s is not supported." % tensor.type())
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+
+
+def _entry(process_set, op: str):
+    if not STATE.initialized:
+        raise HorovodInternalError(NOT_INITIALIZED)
+    return _lookup(process_set, op)
+
+
+def _name(prefix: str, name, handle: int) -> str:
+    return f"{prefix}.{name}" if name else f"{prefix}.noname.{handle}"
+
+
+def _submit(entry, reqs, finish) -> int:
+    for r in reqs:
+        if r.is_cuda:
+            r.cuda_event = torch.cuda.Event()
+            r.cuda_event.record(torch.cuda.current_stream(r.tensor.device))
+    handle = C.Handle(reqs, finish)
+    handle.ctrl = C.controller_for(entry)
+    handle.ctrl.submit(reqs, wake=not getattr(_local, "sync", False))
+    return _new_handle(handle)
+
+
+def _sync(fn):
+    """Marks a synchronous op: its requests do not wake the set's thread, the caller's
+    synchronize runs the cycle (unless the thread is in one already)."""
+    def wrapper(*args, **kwargs):
+        outer = getattr(_local, "sync", False)
+        _local.sync = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.sync = outer
+    wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = fn.__name__, fn.__doc__, fn
+    return wrapper
+
+
+def _same_device(tensors) -> None:
+    if len({t.device for t in tensors}) > 1:
+        raise HorovodInternalError("Tensors in list must be on same device.")
