@@ -11,6 +11,7 @@ import math
 import os
 import random
 import signal
+import time
 
 import pytest
 import torch
@@ -426,3 +427,124 @@ def test_elastic_training_survives_a_killed_rank(tmp_path):
         want = [torch.tensor(p, dtype=torch.float64) for p in res["reference"]]
         assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(got, want)), (r, got, want)
     assert results[0]["params"] == results[2]["params"]
+
+
+# ---- elastic: a new process joins a running job (torch's reconfigure regime) ------------------------
+def join_worker(who, port, out_dir, timeout_s):
+    """`who` 0 and 1 start the job as ranks of 2 (torchrun's variables, the agent's store);
+    `who` 2 is started later with HOROVOD_ELASTIC_JOIN=1 and the same rendezvous. Rank 0 waits,
+    after the commit at batch 2, until the joiner has registered, so that the commit at batch 4
+    admits it. Writes <out>/who<W>.json."""
+    from datetime import timedelta
+
+    result = {"who": who, "steps": [], "resets": []}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if who < 2:
+        env.update(RANK=str(who), WORLD_SIZE="2", LOCAL_RANK=str(who))
+    else:
+        env.update(HOROVOD_ELASTIC_JOIN="1")
+    os.environ.update(env)
+    try:
+        import c10d_ext  # noqa: F401
+        import c10d_ext.horovod as hvd
+
+        torch.set_num_threads(1)
+        hvd.init()
+        result["start"] = {"size": hvd.size(), "rank": hvd.rank()}
+        lr, momentum = 0.1, 0.9
+        x, y = elastic_data()
+        model = mlp(0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+                                       named_parameters=model.named_parameters())
+        sampler = hvd.elastic.ElasticSampler(list(range(ELASTIC_SAMPLES)), shuffle=True, seed=0)
+        state = hvd.elastic.TorchState(model, opt, sampler=sampler, batch=0)
+        state.register_reset_callbacks([lambda: result["resets"].append(
+            {"size": hvd.size(), "rank": hvd.rank(), "batch": state.batch})])
+        waited = [False]
+
+        @hvd.elastic.run
+        def train(state):
+            local = ELASTIC_GLOBAL_BATCH // hvd.size()
+            mine = list(state.sampler)
+            k = 0
+            while state.batch < ELASTIC_SAMPLES // ELASTIC_GLOBAL_BATCH:
+                idx = mine[k * local:(k + 1) * local]
+                opt.zero_grad()
+                F.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step()
+                result["steps"].append({"batch": state.batch, "size": hvd.size()})
+                state.sampler.record_batch(k, local)
+                state.batch += 1
+                k += 1
+                if state.batch % 2 == 0:
+                    state.commit()
+                if state.batch == 2 and hvd.rank() == 0 and not waited[0]:
+                    waited[0] = True
+                    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+                    with open(os.path.join(out_dir, "committed"), "w"):
+                        pass
+                    end = time.monotonic() + timeout_s
+                    while dist.PrefixStore("hvd/elastic", store).add("joiners", 0) < 1 and time.monotonic() < end:
+                        time.sleep(0.05)
+
+        train(state)
+        result.update(params=[p.detach().flatten().tolist() for p in model.parameters()],
+                      reference=elastic_reference(lr, momentum), size=hvd.size(), rank=hvd.rank(),
+                      sampler=dict(sampler.state_dict(), num_replicas=sampler.num_replicas))
+        # A plain reset afterwards makes the world of 3 again, on the job's store (not from the
+        # launcher's variables, which say 2, or nothing for the joiner).
+        hvd.shutdown()
+        hvd.init()
+        total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), name="again", op=hvd.Sum)
+        result["again"] = {"size": hvd.size(), "rank": hvd.rank(), "sum": total.item()}
+        hvd.shutdown()
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"who{who}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="joining needs torch's reconfigure API (torch >= 2.14)")
+def test_a_new_process_joins_a_running_elastic_job(tmp_path):
+    """2 ranks train; after their commit at batch 2 a third process starts with
+    HOROVOD_ELASTIC_JOIN=1; the commit at batch 4 admits it, every rank resets into a world of 3
+    (the old ranks keep 0 and 1, the new one is 2), the state is synced from rank 0 and the
+    sampler repartitions what is left of the epoch: all three end with the parameters of one
+    process over the whole epoch."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    deadline = 240.0
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=join_worker, args=(w, store.port, str(out), 60.0)) for w in range(2)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + 120
+    while not (out / "committed").exists() and time.monotonic() < end and all(p.is_alive() for p in procs):
+        time.sleep(0.05)
+    assert (out / "committed").exists(), "the job never reached its commit at batch 2"
+    procs.append(spawn.Process(target=join_worker, args=(2, store.port, str(out), 60.0)))
+    procs[2].start()
+    hung = join_or_kill(procs, deadline)
+    assert not hung, f"processes {hung} did not finish within {deadline} s"
+    results = {w: json.loads((out / f"who{w}.json").read_text()) for w in range(3)}
+    for w, res in results.items():
+        assert "error" not in res, (w, res["error"])
+        steps = [(s["batch"], s["size"]) for s in res["steps"]]
+        want = ([(b, 2) for b in range(4)] if w < 2 else []) + [(b, 3) for b in range(4, 8)]
+        assert steps == want, (w, steps)
+        assert res["start"] == ({"size": 2, "rank": w} if w < 2 else {"size": 3, "rank": 2}), (w, res["start"])
+        assert res["resets"] == ([{"size": 3, "rank": w, "batch": 4}] if w < 2 else []), (w, res["resets"])
+        assert (res["size"], res["rank"]) == (3, w), res
+        assert res["sampler"] == {"epoch": 0, "processed_num": ELASTIC_SAMPLES, "num_replicas": 3}, res["sampler"]
+        got = [torch.tensor(p, dtype=torch.float64) for p in res["params"]]
+        want_p = [torch.tensor(p, dtype=torch.float64) for p in res["reference"]]
+        assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(got, want_p)), (w, got, want_p)
+        assert res["again"] == {"size": 3, "rank": w, "sum": 6.0}, (w, res["again"])
+    assert results[0]["params"] == results[1]["params"] == results[2]["params"]

@@ -50,6 +50,12 @@ class _State:
         self.failed_default = None  # the default group then (shrunk by the next init)
         self.timeout = timedelta(minutes=30)
         self.atexit = False
+        # The job's store (a TCPStore; its server, where this process hosts it, stays up while
+        # Horovod resets): later default groups are made on it, and processes join through it.
+        self.job_store = None
+        self.world = None  # (rank, size) of the last default group Horovod made and destroyed
+        self.incarnation = 0  # default groups made on job_store (the same count on every rank)
+        self.join = None  # (generation, members) admitted at a commit: the next init makes it
 
 
 STATE = _State()
@@ -76,11 +82,20 @@ def _timeout() -> timedelta:
 
 
 def _make_default_group() -> None:
-    """The default group from the launcher's variables (see the module's docstring)."""
+    """The default group from the launcher's variables (see the module's docstring); after a
+    reset, on the job's store with the world as it was (or as a join made it)."""
     import c10d_ext  # noqa: F401  (registers "myccl")
 
+    s = STATE
+    if s.job_store is not None and s.world is not None:
+        s.incarnation += 1
+        rank, size = s.world
+        dist.init_process_group("myccl", store=dist.PrefixStore(f"hvd/world/{s.incarnation}", s.job_store),
+                                rank=rank, world_size=size)
+        return
     if os.environ.get("RANK") is not None and os.environ.get("MASTER_ADDR"):
         dist.init_process_group("myccl")  # torchrun's env://
+        s.job_store = _raw_store(dist.distributed_c10d._get_default_store())
         return
     rank = _env_int("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
     size = _env_int("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -97,6 +112,13 @@ def _make_default_group() -> None:
         )
     store = dist.TCPStore(addr, port, size, is_master=(rank == 0), timeout=_timeout())
     dist.init_process_group("myccl", store=store, rank=rank, world_size=size)
+    s.job_store = store
+
+
+def _raw_store(store):
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
 
 
 def _topology(group, ranks: list[int]) -> None:
@@ -170,7 +192,16 @@ def init(comm=None, process_sets=None) -> None:
             s.lost_rank = False
             s.failed_group = None
         if not dist.is_initialized():
-            _make_default_group()
+            from .elastic import join
+
+            if s.join is not None:  # admitted at the last commit: the new generation's world
+                gen, members = s.join
+                s.join = None
+                join.make_world(gen, members, f"r{s.rank}")
+            elif join.wants_to_join():
+                join.join_running_job()
+            else:
+                _make_default_group()
             s.made_default = True
         import c10d_ext  # noqa: F401
 
@@ -219,6 +250,7 @@ def shutdown() -> None:
         s.group = s.admin = None
         s.initialized = False
         if s.made_default and not s.lost_rank and dist.is_initialized():
+            s.world = (dist.get_rank(), dist.get_world_size())
             dist.destroy_process_group()
             s.made_default = False
 

@@ -18,12 +18,15 @@ import copy
 import enum
 import queue
 import threading
+import time
 
 import torch
 
+from ..basics import STATE
 from ..exceptions import HostsUpdatedInterrupt
 from ..functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from ..mpi_ops import rank
+from .join import admit
 from .sampler import ElasticSampler
 
 
@@ -112,8 +115,15 @@ class State:
             if ts > newest_ts:
                 newest_ts = ts
                 flags |= update
+        # Processes waiting to join (join.py) are admitted here, by rank 0: a host update too.
+        join = admit() if self._rank() == 0 else None
+        if join is not None:
+            newest_ts = max(newest_ts, prev_ts + 1, time.time())
+            flags |= HostUpdateResult.added
         # Rank 0 decides for everyone, so that every rank raises (or not) at the same commit.
-        prev_ts, self._last_updated_timestamp, flags = self._bcast_object((prev_ts, newest_ts, flags))
+        prev_ts, self._last_updated_timestamp, flags, join = self._bcast_object((prev_ts, newest_ts, flags, join))
+        if join is not None:
+            STATE.join = join  # the reset's init makes that world
         if self._last_updated_timestamp > prev_ts:
             raise HostsUpdatedInterrupt(flags == HostUpdateResult.removed)
 
