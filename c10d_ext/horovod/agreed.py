@@ -39,6 +39,10 @@ OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.SUM, 3: dist.ReduceOp.MIN, 4: dist
 DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64))
 
 _M64 = 0xFFFFFFFFFFFFFFFF
+# The most an agreed op carries itself: it is a one-step reduction (every rank folds every peer's
+# staged copy), which myccl picks for all_reduce only up to this size. A list whose buffers are
+# all larger sends its key in a one-element agreed step first.
+AGREE_BYTES = 64 * 1024
 
 
 def _signed(k: int) -> int:
@@ -64,7 +68,8 @@ def offer(ctrl, r: C.Request | None) -> bool:
     """Opens a queued cycle: offers `r` (None: nothing). True when every member offered the same
     and `r` is done; False (on every member) when anything differed and nothing moved."""
     buf, key, op = ctrl.no_offer, 0, dist.ReduceOp.SUM
-    if r is not None and r.kind == C.ALLREDUCE and r.pre == 1.0 and r.op in OPS and _eligible(r.tensor):
+    if (r is not None and r.kind == C.ALLREDUCE and r.pre == 1.0 and r.op in OPS and _eligible(r.tensor)
+            and r.tensor.nbytes <= AGREE_BYTES):
         buf = r.tensor.view(-1) if r.output is r.tensor else r.tensor.reshape(-1).clone()
         key, op = key_of(r), OPS[r.op]
     else:
@@ -133,7 +138,7 @@ def allreduce_now(ctrl, tensors: list, inplace: bool, names: tuple, op: int, pos
     try:
         with ctrl.cond:
             if (ctrl.failed is not None or ctrl.stopping or ctrl.queue or ctrl.mine or ctrl.table
-                    or ctrl.pending or ctrl.join_req is not None or ctrl.joined):
+                    or ctrl.pending or ctrl.sealed or ctrl.join_req is not None or ctrl.joined):
                 return None
             for nm in names:
                 if nm in ctrl.in_flight:
@@ -182,7 +187,7 @@ def run_list(ctrl, tensors, inplace, names, op, post):
     cannot be offered (nothing ran). A set of one reduces nothing: the step is the scaling."""
     solo = ctrl.size == 1
     scale = _post_scale(ctrl, op, post)
-    if len(tensors) == 1:  # the key a queued cycle offers for the same request (offer)
+    if len(tensors) == 1 and tensors[0].nbytes <= AGREE_BYTES:  # the key a queued cycle offers (offer)
         t = tensors[0]
         buf = t if inplace[0] else t.clone()  # the op takes any contiguous shape: no views
         if not solo and not _ext._agreed_all_reduce_wait(ctrl.backend, buf, ctrl.agreed_flag,
@@ -192,7 +197,7 @@ def run_list(ctrl, tensors, inplace, names, op, post):
         return [buf]
     return _ext._agreed_all_reduce_many(None if solo else ctrl.backend, tensors, inplace, ctrl.agreed_flag,
                                         0 if solo else _key_many(names, op, post), OPS[op], scale,
-                                        ctrl.fusion_threshold, ALONE_BYTES)
+                                        ctrl.fusion_threshold, ALONE_BYTES, AGREE_BYTES)
 
 
 def _negotiate_now(ctrl, reqs, tl=None) -> None:
@@ -238,8 +243,9 @@ class Deferred(C.Handle):
 
 # A pending list runs once no op joined it for this many cycle times (HOROVOD_CYCLE_TIME), and at
 # the latest this many after it began. Where the lists of two members end differs only when one
-# of them runs on its timer: then the negotiation sorts the requests out.
-PENDING_IDLE, PENDING_CAP = 5, 50
+# of them runs on its timer: then the negotiation sorts the requests out. A list whose bytes reach
+# the fusion threshold is sealed at that op (the same op on every member) and runs at once.
+PENDING_IDLE, PENDING_CAP = 20, 100
 
 
 def can_defer(tensors, op: int, pre: float) -> bool:
@@ -251,10 +257,12 @@ def can_defer(tensors, op: int, pre: float) -> bool:
     return True
 
 
-def defer(ctrl, tensors: list, inplace: bool, names: tuple, op: int, post: float, single: bool):
+def defer(ctrl, tensors: list, inplace: bool, names: tuple, op: int, post: float, single: bool, timed: bool = True):
     """Adds an asynchronous allreduce (checked by can_defer) to the set's pending list; returns
     its handle, or None when the set is not idle (queued or announced requests, a join, a
-    pending list of another op or factor) and the op is queued instead."""
+    pending list of another op or factor) and the op is queued instead. A list of untimed ops
+    only (`timed` False: their caller always synchronizes them) never runs on the timer, so
+    where it ends is a point of the program on every member."""
     if not (ctrl.agreed_ok or ctrl.size == 1):
         return None
     with ctrl.lock:  # the lock of ctrl.cond (its own context manager costs more here)
@@ -268,20 +276,32 @@ def defer(ctrl, tensors: list, inplace: bool, names: tuple, op: int, post: float
         for nm in names:
             if nm in flight:
                 raise ValueError(DUPLICATE_NAME)
-        ctrl.pending_last = now = time.monotonic()
         if not pending:
-            ctrl.pending_first = now
             ctrl.pending_event = threading.Event()
-            ctrl.cond.notify()
+            ctrl.pending_first = 0.0
+        if timed:
+            ctrl.pending_last = now = time.monotonic()
+            if not ctrl.pending_first:
+                ctrl.pending_first = now
+                ctrl.cond.notify()
         d = Deferred(ctrl, ctrl.pending_event, tensors, inplace, names, op, post, single)
         for nm in names:
             flight[nm] = d
         pending.append(d)
+        for t in tensors:
+            ctrl.pending_bytes += t.nbytes
+        if 0 < ctrl.fusion_threshold <= ctrl.pending_bytes:
+            ctrl.sealed.append(pending)
+            ctrl.pending = []
+            ctrl.pending_bytes = 0
+            ctrl.cond.notify()
     return d
 
 
 def pending_due(ctrl) -> float:
     """When the set's thread runs its pending list (monotonic), unless a caller does first."""
+    if not ctrl.pending_first:
+        return float("inf")  # untimed ops only
     return min(ctrl.pending_last + PENDING_IDLE * ctrl.cycle_time, ctrl.pending_first + PENDING_CAP * ctrl.cycle_time)
 
 

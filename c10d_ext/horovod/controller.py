@@ -194,6 +194,8 @@ class SetController(threading.Thread):
         self.queue: list[Request] = []
         self.in_flight: dict = {}  # name -> request (or agreed.Deferred), for the duplicate check
         self.pending: list = []  # asynchronous allreduces held for one agreed step (agreed.defer)
+        self.pending_bytes = 0
+        self.sealed: list = []  # pending lists that filled a fusion buffer: they run at once
         self.pending_first = self.pending_last = 0.0
         self.pending_event = None  # the pending list's one event
         self.mine: dict[int, Request] = {}  # announced here, not done: name hash -> request
@@ -267,12 +269,14 @@ class SetController(threading.Thread):
             self._loop()
 
     def _has_work(self) -> bool:
-        return bool(self.queue or self.mine or self.join_req or self.pending)
+        return bool(self.queue or self.mine or self.join_req or self.pending or self.sealed)
 
     def _loop(self) -> None:
         while True:
             with self.cond:
                 while not (self.stopping or self.failed):
+                    if self.sealed:
+                        break
                     if self.queue or self.mine or self.join_req:
                         # Horovod's cycle: asynchronous requests gather for up to one cycle time
                         # after the last cycle began, so that those submitted together fuse.
@@ -295,24 +299,30 @@ class SetController(threading.Thread):
         if not self.failed:
             self._fail(HorovodInternalError(SHUT_DOWN), stopping=True)
 
-    def step(self) -> bool:
-        """One cycle, run by whoever holds ``driver``: this thread, or a caller waiting on a
-        synchronous op (which saves two thread switches per op). False once the set failed."""
+    def step(self, waiter: bool = False) -> bool:
+        """One cycle, run by whoever holds ``driver``: this thread, or a caller waiting on an op
+        (`waiter`; which saves two thread switches per op). False once the set failed."""
         with self.cond:
             if self.failed or self.stopping or not self._has_work():
                 return not self.failed
-            deferred = self.pending
-            if deferred:  # before anything queued: it came first
-                self.pending = []
+            if self.sealed:  # filled a fusion buffer: before anything that came after it
+                deferred = self.sealed.pop(0)
             else:
-                if not self.queue and not self.progress and not self.others_more:
+                if (self.pending and not waiter and not (self.queue or self.mine or self.join_req)
+                        and time.monotonic() < agreed.pending_due(self)):
+                    return True  # nobody waits on the pending list and it is not due: _loop times it
+                if not self.pending and not self.queue and not self.progress and not self.others_more:
                     # Requests wait on peers and nothing changed: one cycle time, or new work.
                     self.cond.wait(self.cycle_time)
-                    if self.stopping:
-                        return True
-                batch = self.queue[:SLOTS]
-                del self.queue[:SLOTS]
-                more = bool(self.queue)
+                    if self.stopping or not (self.queue or self.mine or self.join_req):
+                        return True  # (a pending list that came meanwhile runs when due: _loop)
+                deferred = self.pending
+                if deferred:  # before anything queued: it came first
+                    self.pending, self.pending_bytes = [], 0
+                else:
+                    batch = self.queue[:SLOTS]
+                    del self.queue[:SLOTS]
+                    more = bool(self.queue)
         if deferred:
             agreed.flush(self, deferred)
             return self.failed is None
@@ -334,7 +344,7 @@ class SetController(threading.Thread):
                 try:
                     if not handle.event.is_set():
                         with torch.no_grad():
-                            self.step()
+                            self.step(waiter=True)
                 finally:
                     self.driver.release()
             else:
@@ -351,8 +361,8 @@ class SetController(threading.Thread):
             if not stopping and self.failed is None:
                 self.failed = error
             reqs = list(self.mine.values()) + self.queue + ([self.join_req] if self.join_req else [])
-            deferred = self.pending
-            self.pending = []
+            deferred = [d for lst in self.sealed for d in lst] + self.pending
+            self.pending, self.sealed, self.pending_bytes = [], [], 0
             self.mine.clear()
             self.queue.clear()
             self.in_flight.clear()
@@ -360,7 +370,7 @@ class SetController(threading.Thread):
         for r in reqs:
             r.handle.part_done(r, error)
         for d in deferred:
-            d.handle.fail(error)
+            d.fail(error)
         if not stopping:
             log.warning("hvd: process set %d failed: %s", self.entry.id, error)
 

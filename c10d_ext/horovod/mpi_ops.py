@@ -97,7 +97,7 @@ def _allreduce_fast(tensors, inplace, prefix, name, op, pre, post, process_set):
     return out if isinstance(out, list) else _wait(out)
 
 
-def _defer(tensors, inplace, prefix, name, op, post, process_set):
+def _defer(tensors, inplace, prefix, name, op, post, process_set, timed):
     """An asynchronous allreduce into its set's pending list (agreed.defer): its handle number,
     or None when it is queued as a request instead."""
     entry = _entry(process_set, "Allreduce")
@@ -105,7 +105,7 @@ def _defer(tensors, inplace, prefix, name, op, post, process_set):
     if c is None:
         return None
     names = _names(prefix, name, _peek_handle(), len(tensors))
-    h = agreed.defer(c, tensors, inplace, names, op, post, prefix == "allreduce")
+    h = agreed.defer(c, tensors, inplace, names, op, post, prefix == "allreduce", timed)
     return None if h is None else _new_handle(h)
 
 
@@ -114,10 +114,12 @@ def _allreduce_sync(tensor, output, name, op, prescale_factor, postscale_factor,
     return synchronize(_allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
+def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set, timed=True):
+    """`timed` False: the caller is sure to synchronize the handle (DistributedOptimizer), so the
+    op, if held, never runs on the set's timer (agreed.defer)."""
     _check_tensor(tensor, _REDUCE_TYPES)
     if agreed.can_defer((tensor,), op, prescale_factor):
-        h = _defer([tensor], output is not None, "allreduce", name, op, postscale_factor, process_set)
+        h = _defer([tensor], output is not None, "allreduce", name, op, postscale_factor, process_set, timed)
         if h is not None:
             return h
     entry, reqs = _allreduce_requests([tensor], [output], "allreduce", name, op, prescale_factor,
@@ -182,14 +184,16 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 
 # ---- grouped allreduce ------------------------------------------------------------------------
-def _grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set):
+def _grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set,
+                             timed=True):
     _check_tensor(tensors[0], _REDUCE_TYPES)
     _same_device(tensors)
     for t in tensors[1:]:
         if not t.is_contiguous():
             raise ValueError("Tensor is required to be contiguous.")
     if agreed.can_defer(tensors, op, prescale_factor):
-        h = _defer(list(tensors), outputs is not None, "grouped_allreduce", name, op, postscale_factor, process_set)
+        h = _defer(list(tensors), outputs is not None, "grouped_allreduce", name, op, postscale_factor, process_set,
+                   timed)
         if h is not None:
             return h
     entry, reqs = _allreduce_requests(tensors, outputs or [None] * len(tensors), "grouped_allreduce", name, op, prescale_factor,

@@ -22,7 +22,7 @@ import torch
 from . import mpi_ops as _ops
 from .compression import Compression
 from .functions import broadcast_object
-from .mpi_ops import (Adasum, Average, allreduce_async_, grouped_allreduce_async_, size,
+from .mpi_ops import (Adasum, Average, _allreduce_async, _grouped_allreduce_async, allreduce_async_, size,
                       sparse_allreduce_async, synchronize)
 from .process_sets import global_process_set
 
@@ -213,14 +213,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         else:
             prescale, postscale = 1.0, 1.0
-        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
-                                  postscale_factor=postscale, process_set=self.process_set)
+        # allreduce_async_, untimed: synchronize() always waits for it (so a held list of
+        # gradients ends where the program says on every rank, not on a timer)
+        handle = _allreduce_async(compressed, compressed, name, self.op, prescale, postscale, self.process_set,
+                                  timed=False)
         return handle, ctx
 
     def _grouped_allreduce_grad_async(self, group):
         compressed, ctxs = zip(*[self._compression.compress(p.grad) for p in group])
-        handle = grouped_allreduce_async_(list(compressed), name=self._parameter_names.get(group[0]),
-                                          op=self.op, process_set=self.process_set)
+        compressed = list(compressed)  # grouped_allreduce_async_, untimed as above
+        handle = _grouped_allreduce_async(compressed, compressed, self._parameter_names.get(group[0]), self.op, 1.0,
+                                          1.0, self.process_set, timed=False)
         return handle, ctxs
 
     def _make_hook(self, p):

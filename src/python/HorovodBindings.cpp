@@ -92,7 +92,9 @@ void bindHorovod(py::module& m) {
 
   // Many tensors as one agreed step: the key (their names and what else must agree, with every
   // tensor's dtype and shape folded in here) goes with the first collective, so the rest run
-  // only where every rank offered the same list. Tensors under `alone_bytes` are fused, per
+  // only where every rank offered the same list. The first is a buffer of at most `agree_bytes`
+  // (the agreed op is a one-step reduction of what shared memory stages at once), else a
+  // one-element step that carries the key alone. Tensors under `alone_bytes` are fused, per
   // dtype, into buffers of at most `fuse_bytes` (Horovod's fusion threshold; 0: no fusion);
   // larger ones are reduced where they lie (in place) or in a copy. Returns None when one of
   // them is not what the op offers (not a dense contiguous CPU tensor of a reducible dtype):
@@ -104,7 +106,7 @@ void bindHorovod(py::module& m) {
       "_agreed_all_reduce_many",
       [](myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors, const std::vector<bool>& inplace,
          at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op, double scale, int64_t fuseBytes,
-         int64_t aloneBytes) -> py::object {
+         int64_t aloneBytes, int64_t agreeBytes) -> py::object {
         if (tensors.empty() || inplace.size() != tensors.size()) return py::none();
         uint64_t h = static_cast<uint64_t>(key);
         for (const auto& t : tensors) {
@@ -120,7 +122,20 @@ void bindHorovod(py::module& m) {
         {
           py::gil_scoped_release nogil;
           const auto chunks = plan(tensors, fuseBytes, aloneBytes);
-          for (size_t c = 0; c < chunks.size() && ok; ++c) {
+          std::vector<size_t> order;  // the carrier of the agreement first, then the plan's order
+          for (size_t c = 0; c < chunks.size(); ++c) {
+            const int64_t bytes = chunks[c].numel * static_cast<int64_t>(tensors[chunks[c].members[0]].element_size());
+            if (order.empty() && bytes <= agreeBytes) order.push_back(c);
+          }
+          const bool carried = !order.empty();
+          for (size_t c = 0; c < chunks.size(); ++c)
+            if (!carried || c != order[0]) order.push_back(c);
+          if (b != nullptr && !carried) {
+            at::Tensor probe = at::zeros({1}, at::kFloat);
+            ok = agreedWait(*b, probe, agreed, static_cast<int64_t>(h), op);
+          }
+          for (size_t k = 0; k < order.size() && ok; ++k) {
+            const size_t c = order[k];
             const Chunk& ch = chunks[c];
             const bool alone = ch.members.size() == 1 && !ch.fused;
             const at::Tensor& first = tensors[ch.members[0]];
@@ -140,7 +155,7 @@ void bindHorovod(py::module& m) {
               }
             }
             if (b != nullptr) {
-              if (c == 0) {
+              if (k == 0 && carried) {
                 ok = agreedWait(*b, buf, agreed, static_cast<int64_t>(h), op);
                 if (!ok) break;
               } else {
@@ -176,5 +191,5 @@ void bindHorovod(py::module& m) {
         return py::cast(out);
       },
       py::arg("backend"), py::arg("tensors"), py::arg("inplace"), py::arg("agreed"), py::arg("key"), py::arg("op"),
-      py::arg("scale"), py::arg("fuse_bytes"), py::arg("alone_bytes"));
+      py::arg("scale"), py::arg("fuse_bytes"), py::arg("alone_bytes"), py::arg("agree_bytes"));
 }
