@@ -322,13 +322,67 @@ def elastic_reference(lr, momentum):
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
+def elastic_training(hvd, result, hook_for=None, after_step=None) -> None:
+    """The elastic training both multi-process tests run: DistributedOptimizer, TorchState and
+    ElasticSampler, 12 samples a step over the world as it is, committing every 2 steps.
+    `hook_for(model, state)` may return a hook handle to remove after the step's backward;
+    `after_step(state)` runs after each step. Records steps, resets and the end in `result`."""
+    lr, momentum = 0.1, 0.9
+    x, y = elastic_data()
+    model = mlp(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+                                   named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(list(range(ELASTIC_SAMPLES)), shuffle=True, seed=0)
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler, batch=0)
+    state.register_reset_callbacks([lambda: result["resets"].append(
+        {"size": hvd.size(), "rank": hvd.rank(), "batch": state.batch})])
+
+    @hvd.elastic.run
+    def train(state):
+        local = ELASTIC_GLOBAL_BATCH // hvd.size()
+        mine = list(state.sampler)
+        k = 0
+        while state.batch < ELASTIC_SAMPLES // ELASTIC_GLOBAL_BATCH:
+            idx = mine[k * local:(k + 1) * local]
+            hook = hook_for(model, state) if hook_for is not None else None
+            try:
+                opt.zero_grad()
+                F.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step()
+            finally:
+                if hook is not None:
+                    hook.remove()
+            result["steps"].append({"batch": state.batch, "size": hvd.size()})
+            state.sampler.record_batch(k, local)
+            state.batch += 1
+            k += 1
+            if state.batch % 2 == 0:
+                state.commit()
+            if after_step is not None:
+                after_step(state)
+
+    train(state)
+    result.update(params=[p.detach().flatten().tolist() for p in model.parameters()],
+                  reference=elastic_reference(lr, momentum), size=hvd.size(), new_rank=hvd.rank(),
+                  sampler=dict(sampler.state_dict(), num_replicas=sampler.num_replicas))
+
+
+def write_result(path: str, result: dict, error: BaseException | None) -> None:
+    if error is not None:
+        import traceback
+
+        result["error"] = f"{type(error).__name__}: {error}\n{''.join(traceback.format_exception(error))}"
+    with open(path, "w") as f:
+        json.dump(result, f)
+
+
 def elastic_worker(rank, size, port, out_dir, victim, kill_step, timeout_s):
-    """One rank of the job: elastic training with DistributedOptimizer, TorchState and
-    ElasticSampler, committing every 2 steps; `victim` SIGKILLs itself in the backward of step
+    """One rank of the job (elastic_training); `victim` SIGKILLs itself in the backward of step
     `kill_step`. Writes <out>/rank<R>.json."""
     from datetime import timedelta
 
     result = {"rank": rank, "steps": [], "resets": []}
+    error = None
     try:
         import c10d_ext  # noqa: F401
         import c10d_ext.horovod as hvd
@@ -338,55 +392,21 @@ def elastic_worker(rank, size, port, out_dir, victim, kill_step, timeout_s):
         dist.init_process_group("myccl", store=dist.PrefixStore("elastic", store), rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         hvd.init()
-        lr, momentum = 0.1, 0.9
-        x, y = elastic_data()
-        model = mlp(0)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
-                                       named_parameters=model.named_parameters())
-        sampler = hvd.elastic.ElasticSampler(list(range(ELASTIC_SAMPLES)), shuffle=True, seed=0)
-        state = hvd.elastic.TorchState(model, opt, sampler=sampler, batch=0)
-        state.register_reset_callbacks([lambda: result["resets"].append(
-            {"size": hvd.size(), "rank": hvd.rank(), "batch": state.batch})])
 
         def die(grad):
             os.kill(os.getpid(), signal.SIGKILL)
             return grad
 
-        @hvd.elastic.run
-        def train(state):
-            local = ELASTIC_GLOBAL_BATCH // hvd.size()
-            mine = list(state.sampler)
-            k = 0
-            while state.batch < ELASTIC_SAMPLES // ELASTIC_GLOBAL_BATCH:
-                idx = mine[k * local:(k + 1) * local]
-                hook = model[0].weight.register_hook(die) if rank == victim and state.batch == kill_step else None
-                try:
-                    opt.zero_grad()
-                    F.mse_loss(model(x[idx]), y[idx]).backward()
-                    opt.step()
-                finally:
-                    if hook is not None:
-                        hook.remove()
-                result["steps"].append({"batch": state.batch, "size": hvd.size()})
-                state.sampler.record_batch(k, local)
-                state.batch += 1
-                k += 1
-                if state.batch % 2 == 0:
-                    state.commit()
+        def hook_for(model, state):
+            return model[0].weight.register_hook(die) if rank == victim and state.batch == kill_step else None
 
-        train(state)
-        result.update(params=[p.detach().flatten().tolist() for p in model.parameters()],
-                      reference=elastic_reference(lr, momentum), size=hvd.size(), new_rank=hvd.rank(),
-                      sampler=dict(sampler.state_dict(), num_replicas=sampler.num_replicas))
+        elastic_training(hvd, result, hook_for=hook_for)
         hvd.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001
-        import traceback
-
-        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+        error = e
+    write_result(os.path.join(out_dir, f"rank{rank}.json"), result, error)
 
 
 @pytest.mark.slow
@@ -438,6 +458,7 @@ def join_worker(who, port, out_dir, timeout_s):
     from datetime import timedelta
 
     result = {"who": who, "steps": [], "resets": []}
+    error = None
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     if who < 2:
         env.update(RANK=str(who), WORLD_SIZE="2", LOCAL_RANK=str(who))
@@ -451,46 +472,19 @@ def join_worker(who, port, out_dir, timeout_s):
         torch.set_num_threads(1)
         hvd.init()
         result["start"] = {"size": hvd.size(), "rank": hvd.rank()}
-        lr, momentum = 0.1, 0.9
-        x, y = elastic_data()
-        model = mlp(0)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
-                                       named_parameters=model.named_parameters())
-        sampler = hvd.elastic.ElasticSampler(list(range(ELASTIC_SAMPLES)), shuffle=True, seed=0)
-        state = hvd.elastic.TorchState(model, opt, sampler=sampler, batch=0)
-        state.register_reset_callbacks([lambda: result["resets"].append(
-            {"size": hvd.size(), "rank": hvd.rank(), "batch": state.batch})])
         waited = [False]
 
-        @hvd.elastic.run
-        def train(state):
-            local = ELASTIC_GLOBAL_BATCH // hvd.size()
-            mine = list(state.sampler)
-            k = 0
-            while state.batch < ELASTIC_SAMPLES // ELASTIC_GLOBAL_BATCH:
-                idx = mine[k * local:(k + 1) * local]
-                opt.zero_grad()
-                F.mse_loss(model(x[idx]), y[idx]).backward()
-                opt.step()
-                result["steps"].append({"batch": state.batch, "size": hvd.size()})
-                state.sampler.record_batch(k, local)
-                state.batch += 1
-                k += 1
-                if state.batch % 2 == 0:
-                    state.commit()
-                if state.batch == 2 and hvd.rank() == 0 and not waited[0]:
-                    waited[0] = True
-                    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-                    with open(os.path.join(out_dir, "committed"), "w"):
-                        pass
-                    end = time.monotonic() + timeout_s
-                    while dist.PrefixStore("hvd/elastic", store).add("joiners", 0) < 1 and time.monotonic() < end:
-                        time.sleep(0.05)
+        def after_step(state):
+            if state.batch == 2 and hvd.rank() == 0 and not waited[0]:
+                waited[0] = True
+                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+                with open(os.path.join(out_dir, "committed"), "w"):
+                    pass
+                end = time.monotonic() + timeout_s
+                while dist.PrefixStore("hvd/elastic", store).add("joiners", 0) < 1 and time.monotonic() < end:
+                    time.sleep(0.05)
 
-        train(state)
-        result.update(params=[p.detach().flatten().tolist() for p in model.parameters()],
-                      reference=elastic_reference(lr, momentum), size=hvd.size(), rank=hvd.rank(),
-                      sampler=dict(sampler.state_dict(), num_replicas=sampler.num_replicas))
+        elastic_training(hvd, result, after_step=after_step)
         # A plain reset afterwards makes the world of 3 again, on the job's store (not from the
         # launcher's variables, which say 2, or nothing for the joiner).
         hvd.shutdown()
@@ -499,11 +493,8 @@ def join_worker(who, port, out_dir, timeout_s):
         result["again"] = {"size": hvd.size(), "rank": hvd.rank(), "sum": total.item()}
         hvd.shutdown()
     except BaseException as e:  # noqa: BLE001
-        import traceback
-
-        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(out_dir, f"who{who}.json"), "w") as f:
-        json.dump(result, f)
+        error = e
+    write_result(os.path.join(out_dir, f"who{who}.json"), result, error)
 
 
 @pytest.mark.slow
@@ -541,7 +532,7 @@ def test_a_new_process_joins_a_running_elastic_job(tmp_path):
         assert steps == want, (w, steps)
         assert res["start"] == ({"size": 2, "rank": w} if w < 2 else {"size": 3, "rank": 2}), (w, res["start"])
         assert res["resets"] == ([{"size": 3, "rank": w, "batch": 4}] if w < 2 else []), (w, res["resets"])
-        assert (res["size"], res["rank"]) == (3, w), res
+        assert (res["size"], res["new_rank"]) == (3, w), res
         assert res["sampler"] == {"epoch": 0, "processed_num": ELASTIC_SAMPLES, "num_replicas": 3}, res["sampler"]
         got = [torch.tensor(p, dtype=torch.float64) for p in res["params"]]
         want_p = [torch.tensor(p, dtype=torch.float64) for p in res["reference"]]
