@@ -471,6 +471,9 @@ def join_worker(who, port, out_dir, timeout_s):
 
         torch.set_num_threads(1)
         hvd.init()
+        if who < 2:  # a reset before anyone joins: the old ranks have counted one more world
+            hvd.shutdown()
+            hvd.init()
         result["start"] = {"size": hvd.size(), "rank": hvd.rank()}
         waited = [False]
 

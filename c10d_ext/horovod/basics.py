@@ -54,7 +54,8 @@ class _State:
         # Horovod resets): later default groups are made on it, and processes join through it.
         self.job_store = None
         self.world = None  # (rank, size) of the last default group Horovod made and destroyed
-        self.incarnation = 0  # default groups made on job_store (the same count on every rank)
+        self.generation = 0  # the world's generation: 0 as launched, then one per admission (join.py)
+        self.incarnation = 0  # default groups made on job_store in this generation (the same on every member)
         self.join = None  # (generation, members) admitted at a commit: the next init makes it
 
 
@@ -90,8 +91,8 @@ def _make_default_group() -> None:
     if s.job_store is not None and s.world is not None:
         s.incarnation += 1
         rank, size = s.world
-        dist.init_process_group("myccl", store=dist.PrefixStore(f"hvd/world/{s.incarnation}", s.job_store),
-                                rank=rank, world_size=size)
+        dist.init_process_group("myccl", store=dist.PrefixStore(f"hvd/world/{s.generation}/{s.incarnation}",
+                                                                 s.job_store), rank=rank, world_size=size)
         return
     if os.environ.get("RANK") is not None and os.environ.get("MASTER_ADDR"):
         dist.init_process_group("myccl")  # torchrun's env://

@@ -101,6 +101,7 @@ def make_world(gen: int, members: list[str], me: str) -> None:
     dist._reconfigure(gen, handles, timeout=timeout).wait()
     s.made_default = True
     s.world = (rank, size)
+    s.generation, s.incarnation = gen, 0  # newcomers and old ranks count resets alike from here
 
 
 __all__ = ["admit", "join_running_job", "make_world", "wants_to_join"]
