@@ -166,12 +166,9 @@ def _cycle_now(ctrl, tensors, inplace, names, op, post):
         return None
     _cycled(ctrl)
     if out is False:
-        reqs = [C.Request(C.ALLREDUCE, nm, t, t if inplace else None, op=op, post=post)
-                for nm, t in zip(names, tensors)]
-        handle = C.Handle(reqs, lambda: [r.result if r.output is None else r.output for r in reqs])
-        handle.ctrl = ctrl
-        _negotiate_now(ctrl, reqs)
-        return handle
+        d = Deferred(ctrl, None, tensors, inplace, names, op, post, single=False)
+        _negotiate_now(ctrl, [d])
+        return d
     ctrl.progress, ctrl.others_more = True, False
     return out
 
@@ -200,9 +197,20 @@ def run_list(ctrl, tensors, inplace, names, op, post):
                                         ctrl.fusion_threshold, ALONE_BYTES, AGREE_BYTES)
 
 
-def _negotiate_now(ctrl, reqs, tl=None) -> None:
-    """The members disagreed: `reqs` go first into the queue and on into this cycle's
-    negotiation, exactly as a queued cycle goes on after the agreed op said no."""
+def _negotiate_now(ctrl, ops: list, tl=None) -> None:
+    """The members disagreed: the requests of `ops` (Deferred) go first into the queue and on
+    into this cycle's negotiation, exactly as a queued cycle goes on after the agreed op said no."""
+    reqs = []
+    for d in ops:  # each its own event from here: its requests complete one by one
+        d.event = threading.Event()
+        d.reqs = [C.Request(C.ALLREDUCE, nm, t, t if d.inplace else None, op=d.op, post=d.post)
+                  for nm, t in zip(d.names, d.tensors)]
+        d.remaining = len(d.reqs)
+        for r in d.reqs:
+            r.handle = d
+        reqs += d.reqs
+    if tl is not None:
+        tl.mark_cycle_start()
     with ctrl.cond:
         for r in reqs:
             ctrl.in_flight[r.name] = r
@@ -224,7 +232,8 @@ class Deferred(C.Handle):
     its handle. The list runs as one agreed step (``flush``) when a caller waits on one of its
     ops, or on the set's thread once no op joined it for PENDING_IDLE cycle times. Until then
     the list's ops share one event (an Event per op costs more than the rest of the op); its
-    value is ``out`` when the step agreed, else what its requests in the negotiation hold."""
+    value is ``out`` when the step agreed, else what its requests in the negotiation hold. (A
+    synchronous allreduce whose agreed step said no goes on as one, too: allreduce_now.)"""
 
     __slots__ = ("names", "tensors", "inplace", "single", "out", "reqs", "op", "post")
 
@@ -326,18 +335,7 @@ def flush(ctrl, batch: list) -> None:
         return
     _cycled(ctrl)
     if not out:
-        reqs = []
-        for d in batch:  # each its own event from here: its requests complete one by one
-            d.event = threading.Event()
-            d.reqs = [C.Request(C.ALLREDUCE, nm, t, t if d.inplace else None, op=op, post=post)
-                      for nm, t in zip(d.names, d.tensors)]
-            d.remaining = len(d.reqs)
-            for r in d.reqs:
-                r.handle = d
-            reqs += d.reqs
-        if tl is not None:
-            tl.mark_cycle_start()
-        _negotiate_now(ctrl, reqs, tl)
+        _negotiate_now(ctrl, batch, tl)
         return
     ctrl.progress, ctrl.others_more = True, False
     with ctrl.cond:

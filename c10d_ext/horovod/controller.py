@@ -268,8 +268,12 @@ class SetController(threading.Thread):
         with torch.no_grad():
             self._loop()
 
+    def _requests(self) -> bool:
+        """Requests to cycle for: queued, announced and waiting on peers, or a join."""
+        return bool(self.queue or self.mine or self.join_req)
+
     def _has_work(self) -> bool:
-        return bool(self.queue or self.mine or self.join_req or self.pending or self.sealed)
+        return self._requests() or bool(self.pending or self.sealed)
 
     def _loop(self) -> None:
         while True:
@@ -277,7 +281,7 @@ class SetController(threading.Thread):
                 while not (self.stopping or self.failed):
                     if self.sealed:
                         break
-                    if self.queue or self.mine or self.join_req:
+                    if self._requests():
                         # Horovod's cycle: asynchronous requests gather for up to one cycle time
                         # after the last cycle began, so that those submitted together fuse.
                         pause = self.last_cycle + self.cycle_time - time.monotonic()
@@ -308,13 +312,12 @@ class SetController(threading.Thread):
             if self.sealed:  # filled a fusion buffer: before anything that came after it
                 deferred = self.sealed.pop(0)
             else:
-                if (self.pending and not waiter and not (self.queue or self.mine or self.join_req)
-                        and time.monotonic() < agreed.pending_due(self)):
+                if self.pending and not waiter and not self._requests() and time.monotonic() < agreed.pending_due(self):
                     return True  # nobody waits on the pending list and it is not due: _loop times it
                 if not self.pending and not self.queue and not self.progress and not self.others_more:
                     # Requests wait on peers and nothing changed: one cycle time, or new work.
                     self.cond.wait(self.cycle_time)
-                    if self.stopping or not (self.queue or self.mine or self.join_req):
+                    if self.stopping or not self._requests():
                         return True  # (a pending list that came meanwhile runs when due: _loop)
                 deferred = self.pending
                 if deferred:  # before anything queued: it came first

@@ -46,6 +46,7 @@ uint64_t mix(uint64_t h, uint64_t v) {
 struct Chunk {
   std::vector<size_t> members;
   int64_t numel = 0;
+  int64_t bytes = 0;
   bool fused = false;
 };
 
@@ -55,30 +56,27 @@ struct Chunk {
 std::vector<Chunk> plan(const std::vector<at::Tensor>& tensors, int64_t fuseBytes, int64_t aloneBytes) {
   std::vector<Chunk> chunks;
   std::vector<std::pair<at::ScalarType, size_t>> open;  // dtype -> its open buffer
-  std::vector<int64_t> bytes;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
     if (fuseBytes <= 0 || n >= aloneBytes || n > fuseBytes) {
-      chunks.push_back(Chunk{{i}, t.numel(), false});
-      bytes.push_back(n);
+      chunks.push_back(Chunk{{i}, t.numel(), n, false});
       continue;
     }
     auto it = std::find_if(open.begin(), open.end(), [&](const auto& o) { return o.first == t.scalar_type(); });
-    if (it != open.end() && bytes[it->second] + n > fuseBytes) {
+    if (it != open.end() && chunks[it->second].bytes + n > fuseBytes) {
       open.erase(it);
       it = open.end();
     }
     if (it == open.end()) {
       open.emplace_back(t.scalar_type(), chunks.size());
-      chunks.push_back(Chunk{{}, 0, true});
-      bytes.push_back(0);
+      chunks.push_back(Chunk{{}, 0, 0, true});
       it = std::prev(open.end());
     }
     Chunk& c = chunks[it->second];
     c.members.push_back(i);
     c.numel += t.numel();
-    bytes[it->second] += n;
+    c.bytes += n;
   }
   return chunks;
 }
@@ -122,12 +120,12 @@ void bindHorovod(py::module& m) {
         {
           py::gil_scoped_release nogil;
           const auto chunks = plan(tensors, fuseBytes, aloneBytes);
-          std::vector<size_t> order;  // the carrier of the agreement first, then the plan's order
-          for (size_t c = 0; c < chunks.size(); ++c) {
-            const int64_t bytes = chunks[c].numel * static_cast<int64_t>(tensors[chunks[c].members[0]].element_size());
-            if (order.empty() && bytes <= agreeBytes) order.push_back(c);
-          }
-          const bool carried = !order.empty();
+          // The carrier of the agreement (the first chunk small enough) runs first, then the plan's order.
+          const auto carrier = std::find_if(chunks.begin(), chunks.end(),
+                                            [&](const Chunk& ch) { return ch.bytes <= agreeBytes; });
+          const bool carried = carrier != chunks.end();
+          std::vector<size_t> order;
+          if (carried) order.push_back(static_cast<size_t>(carrier - chunks.begin()));
           for (size_t c = 0; c < chunks.size(); ++c)
             if (!carried || c != order[0]) order.push_back(c);
           if (b != nullptr && !carried) {

@@ -37,8 +37,12 @@ def _elastic_store():
     return dist.PrefixStore(PREFIX, STATE.job_store)
 
 
+def _can_reconfigure() -> bool:
+    return hasattr(dist, "_reconfigure")
+
+
 def _needs_reconfigure() -> None:
-    if not hasattr(dist, "_reconfigure"):
+    if not _can_reconfigure():
         raise HorovodInternalError(
             f"Horovod: joining a running job needs torch's reconfigure API (torch 2.14 or newer); "
             f"this is torch {torch.__version__}")
@@ -70,7 +74,7 @@ def admit() -> tuple[int, list[str]] | None:
     (their admission is written to the store), else None. Cheap when nobody waits: one store
     round trip."""
     s = STATE
-    if s.job_store is None or not s.made_default or s.size != dist.get_world_size() or not hasattr(dist, "_reconfigure"):
+    if s.job_store is None or not s.made_default or s.size != dist.get_world_size() or not _can_reconfigure():
         return None
     store = _elastic_store()
     waiting = store.add("joiners", 0)
@@ -99,7 +103,6 @@ def make_world(gen: int, members: list[str], me: str) -> None:
     store.set(f"handle/{rank}", dist._get_reconfigure_handle())
     handles = [store.get(f"handle/{r}").decode() for r in range(size)]
     dist._reconfigure(gen, handles, timeout=timeout).wait()
-    s.made_default = True
     s.world = (rank, size)
     s.generation, s.incarnation = gen, 0  # newcomers and old ranks count resets alike from here
 
