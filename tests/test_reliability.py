@@ -383,6 +383,53 @@ def _rss_mb() -> float:
     return int(kb.split()[0]) / 1024
 
 
+def _soak_op(rng, ops, be, n, r, count):
+    """One random op of the soak, checked; its tensors are freed when it returns, so the RSS
+    readings between ops see only what the backend keeps (an all_to_all of 1 Mi elements holds
+    80 MB of inputs and outputs while it runs)."""
+    op = rng.choice(ops)
+    numel = rng.choice([1, 7, 1000, 70_000, 300_001, 1 << 20])
+    dtype = rng.choice([torch.float32, torch.bfloat16, torch.int32])
+    seed = count
+    xs = [make(q, (numel,), dtype, seed) for q in range(n)]
+    registered = rng.random() < 0.3
+    if op == "all_reduce":
+        t = be.allocate_tensor(numel, dtype=dtype, device=torch.device("cpu")) if registered else torch.empty(numel, dtype=dtype)
+        t.copy_(xs[r])
+        dist.all_reduce(t)
+        ok = torch.equal(t, reduce_all(xs, "SUM"))
+    elif op == "broadcast":
+        t = xs[r].clone()
+        root = rng.randrange(n)
+        dist.broadcast(t, src=root)
+        ok = torch.equal(t, xs[root])
+    elif op == "reduce":
+        t = xs[r].clone()
+        root = rng.randrange(n)
+        dist.reduce(t, dst=root)
+        ok = torch.equal(t, reduce_all(xs, "SUM")) if r == root else torch.equal(t, xs[r])
+    elif op == "all_gather":
+        out = torch.empty(numel * n, dtype=dtype)
+        dist.all_gather_into_tensor(out, xs[r])
+        ok = torch.equal(out, torch.cat(xs))
+    elif op == "reduce_scatter":
+        blk = max(1, numel // n)
+        ys = [x[: blk * n] if x.numel() >= blk * n else torch.cat([x] * n)[: blk * n] for x in xs]
+        out = torch.empty(blk, dtype=dtype)
+        dist.reduce_scatter_tensor(out, ys[r])
+        ok = torch.equal(out, reduce_all(ys, "SUM")[r * blk:(r + 1) * blk])
+    elif op == "all_to_all":
+        blk = max(1, numel // n)
+        ys = [torch.cat([x] * n)[: blk * n] for x in xs]
+        out = torch.empty(blk * n, dtype=dtype)
+        dist.all_to_all_single(out, ys[r])
+        ok = torch.equal(out, torch.cat([ys[q][r * blk:(r + 1) * blk] for q in range(n)]))
+    else:
+        dist.barrier()
+        ok = True
+    return op, numel, dtype, ok
+
+
 def body_soak(ctx, seconds):
     import c10d_ext
 
@@ -400,46 +447,7 @@ def body_soak(ctx, seconds):
         dist.broadcast(go, src=0)
         if not go.item():
             break
-        op = rng.choice(ops)
-        numel = rng.choice([1, 7, 1000, 70_000, 300_001, 1 << 20])
-        dtype = rng.choice([torch.float32, torch.bfloat16, torch.int32])
-        seed = count
-        xs = [make(q, (numel,), dtype, seed) for q in range(n)]
-        registered = rng.random() < 0.3
-        if op == "all_reduce":
-            t = be.allocate_tensor(numel, dtype=dtype, device=torch.device("cpu")) if registered else torch.empty(numel, dtype=dtype)
-            t.copy_(xs[r])
-            dist.all_reduce(t)
-            ok = torch.equal(t, reduce_all(xs, "SUM"))
-        elif op == "broadcast":
-            t = xs[r].clone()
-            root = rng.randrange(n)
-            dist.broadcast(t, src=root)
-            ok = torch.equal(t, xs[root])
-        elif op == "reduce":
-            t = xs[r].clone()
-            root = rng.randrange(n)
-            dist.reduce(t, dst=root)
-            ok = torch.equal(t, reduce_all(xs, "SUM")) if r == root else torch.equal(t, xs[r])
-        elif op == "all_gather":
-            out = torch.empty(numel * n, dtype=dtype)
-            dist.all_gather_into_tensor(out, xs[r])
-            ok = torch.equal(out, torch.cat(xs))
-        elif op == "reduce_scatter":
-            blk = max(1, numel // n)
-            ys = [x[: blk * n] if x.numel() >= blk * n else torch.cat([x] * n)[: blk * n] for x in xs]
-            out = torch.empty(blk, dtype=dtype)
-            dist.reduce_scatter_tensor(out, ys[r])
-            ok = torch.equal(out, reduce_all(ys, "SUM")[r * blk:(r + 1) * blk])
-        elif op == "all_to_all":
-            blk = max(1, numel // n)
-            ys = [torch.cat([x] * n)[: blk * n] for x in xs]
-            out = torch.empty(blk * n, dtype=dtype)
-            dist.all_to_all_single(out, ys[r])
-            ok = torch.equal(out, torch.cat([ys[q][r * blk:(r + 1) * blk] for q in range(n)]))
-        else:
-            dist.barrier()
-            ok = True
+        op, numel, dtype, ok = _soak_op(rng, ops, be, n, r, count)
         count += 1
         if not ok:
             failures.append(f"{op} {numel} {dtype}")
