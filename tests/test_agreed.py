@@ -369,7 +369,8 @@ def test_hvd_async_allreduces_run_as_one_agreed_step(run, size):
 def body_hvd_held(ctx):
     from test_horovod import stop, value
 
-    from c10d_ext.horovod import controller as C, handles
+    from c10d_ext import _C
+    from c10d_ext.horovod import controller as C
 
     hvd, before = _warm_start(ctx)
     ctrl = C._CONTROLLERS[0]
@@ -378,7 +379,7 @@ def body_hvd_held(ctx):
     c0 = ctrl.cycles
     ts = [value(r, torch.float32, shape=(3,), salt=k) for k in range(10)]
     hs = [hvd.allreduce_async(t, name=f"h{k}", op=hvd.Average) for k, t in enumerate(ts)]
-    out["held"] = len(ctrl.pending)
+    out["held"] = ctrl.held.held_ops
     try:
         hvd.allreduce_async(torch.ones(1), name="h3", op=hvd.Average)
         out["dup"] = "no error"
@@ -389,9 +390,9 @@ def body_hvd_held(ctx):
     after = _set_stats(hvd)
     out["ops"] = {f"{k[0]}/{k[1]}": after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     # Held when Horovod shuts down: the op fails with Horovod's shut-down error.
-    held = handles._handles[hvd.allreduce_async(torch.ones(2), name="held", op=hvd.Sum)]
+    held = _C._hvd_result(hvd.allreduce_async(torch.ones(2), name="held", op=hvd.Sum))  # its list
     stop(hvd)
-    out["held at shutdown"] = [held.event.is_set(), str(held.error)]
+    out["held at shutdown"] = [held.state, held.error]
     return out
 
 
@@ -413,7 +414,7 @@ def test_hvd_async_allreduces_held_until_waited_for(run, size):
         assert out["cycles"] == 1, (r, out["cycles"])
         if size > 1:
             assert out["ops"] == {"agreed_all_reduce/shm-agreed": 1}, (r, out["ops"])
-        assert out["held at shutdown"] == [True, SHUT_DOWN], (r, out["held at shutdown"])
+        assert out["held at shutdown"] == [3, SHUT_DOWN], (r, out["held at shutdown"])  # failed
 
 
 def body_hvd_deferred_timer(ctx):
@@ -504,3 +505,98 @@ def test_distributed_optimizer_step_is_one_agreed_step_whatever_the_timer(run, s
             assert (out["cycles"], out["ops"]) == (0, {}), (r, out)
         got = [torch.tensor(p, dtype=torch.float64) for p in out["params"]]
         assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(got, want)), (r, got, want)
+
+
+# ---- held ops in C++: names, the queued path's duplicate check, threads ------------------------
+def body_hvd_held_names(ctx):
+    from test_horovod import stop, value
+
+    from c10d_ext.horovod import controller as C
+
+    hvd, _ = _warm_start(ctx)
+    ctrl = C._CONTROLLERS[0]
+    r = hvd.rank()
+    out = {}
+    t = value(r, torch.float32, salt=1)
+    h = hvd.allreduce_async(t, op=hvd.Sum)  # held, unnamed: "allreduce.noname.<its handle>"
+    out["held"] = ctrl.held.held_ops
+    errors = []
+    # the same name through the held path, then through the queued path (prescale is never held)
+    for kwargs in ({}, {"prescale_factor": 2.0}):
+        try:
+            hvd.allreduce_async(torch.ones(2), name=f"noname.{h}", op=hvd.Sum, **kwargs)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    out["duplicates"] = errors
+    out["value"] = hvd.synchronize(h).tolist()
+    # once it is done, the name is free again, on both paths
+    out["again"] = [hvd.synchronize(hvd.allreduce_async(torch.ones(2), name=f"noname.{h}", op=hvd.Sum,
+                                                        prescale_factor=p)).tolist() for p in (1.0, 2.0)]
+    stop(hvd)
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_hvd_held_op_names_are_horovods_and_refused_while_held(run, size):
+    from test_horovod import value
+
+    from c10d_ext.horovod.exceptions import DUPLICATE_NAME
+
+    res = run(size, body_hvd_held_names, timeout=90)
+    for r, out in enumerate(res):
+        assert out["held"] == 1, (r, out)
+        assert out["duplicates"] == [DUPLICATE_NAME, DUPLICATE_NAME], (r, out["duplicates"])
+        assert out["value"] == sum(value(q, torch.float32, salt=1) for q in range(size)).tolist(), (r, out)
+        assert out["again"] == [[float(size)] * 2, [2.0 * size] * 2], (r, out["again"])
+
+
+def body_hvd_held_threads(ctx, threads, rounds):
+    import gc
+    import threading
+
+    from test_horovod import stop, value
+
+    hvd, _ = _warm_start(ctx)
+    r = hvd.rank()
+    got, errors = {}, []
+
+    def work(k):
+        try:
+            for it in range(rounds):
+                names = [f"th{k}.{it}.{j}" for j in range(5)]
+                hs = [hvd.allreduce_async(value(r, torch.float32, salt=k + j), name=nm, op=hvd.Sum)
+                      for j, nm in enumerate(names)]
+                if it % 7 == 0:
+                    gc.collect()  # finalizers switch threads at any allocation: none may deadlock
+                for nm, h in reversed(list(zip(names, hs))):
+                    got[nm] = hvd.synchronize(h).tolist()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    stop(hvd)
+    return {"got": got, "errors": errors}
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_hvd_held_ops_from_many_threads(run, size):
+    """Threads interleave differently on every rank, so the ranks' pending lists differ and go on
+    into the negotiation (each op handed from the list to a request) while other threads hold
+    and wait: every value right, no hang."""
+    from test_horovod import value
+
+    threads, rounds = 3, 30
+    res = run(size, body_hvd_held_threads, threads, rounds, timeout=180)
+    for r, out in enumerate(res):
+        assert out["errors"] == [], (r, out["errors"][:3])
+        assert len(out["got"]) == threads * rounds * 5, (r, len(out["got"]))
+        for k in range(threads):
+            for j in range(5):
+                want = sum(value(q, torch.float32, salt=k + j) for q in range(size)).tolist()
+                for it in range(rounds):
+                    assert out["got"][f"th{k}.{it}.{j}"] == want, (r, k, it, j)

@@ -97,15 +97,13 @@ def _key_one(name: str, t: torch.Tensor, op: int, post: float) -> int:
 
 def _key_many(names: tuple, op: int, post: float) -> int:
     """Stands for the names, op and factors of a grouped op; the dtype and every shape are folded
-    in by the op (_agreed_all_reduce_many). A queued cycle never offers several requests, so this
-    key never has to equal one of its keys."""
+    in by the op (_agreed_all_reduce_many). The same function as a held list's (_HeldList.run),
+    so a synchronous op on one rank and the same op held on another agree. A queued cycle never
+    offers several requests, so this key never has to equal one of its keys."""
     sig = (names, op, post)
     k = _KEYS.get(sig)
     if k is None:
-        k = 0x6A09E667F3BCC908
-        for nm in names:
-            k = ((k * 0x100000001B3) ^ C._h64(nm)) & _M64
-        k = _remember(sig, _signed(k ^ C._h64(f"{op}/{post!r}")))
+        k = _remember(sig, _ext._hvd_key(list(names), op, post))
     return k
 
 
@@ -138,7 +136,7 @@ def allreduce_now(ctrl, tensors: list, inplace: bool, names: tuple, op: int, pos
     try:
         with ctrl.cond:
             if (ctrl.failed is not None or ctrl.stopping or ctrl.queue or ctrl.mine or ctrl.table
-                    or ctrl.pending or ctrl.sealed or ctrl.join_req is not None or ctrl.joined):
+                    or ctrl.held.has_open or ctrl.held.has_sealed or ctrl.join_req is not None or ctrl.joined):
                 return None
             for nm in names:
                 if nm in ctrl.in_flight:
@@ -153,6 +151,9 @@ def allreduce_now(ctrl, tensors: list, inplace: bool, names: tuple, op: int, pos
         finally:
             if grad:
                 torch._C._set_grad_enabled(True)
+            if not ctrl.held.accepting:  # its requests went on into the negotiation
+                with ctrl.cond:
+                    ctrl._reopen()
     finally:
         ctrl.driver.release()
 
@@ -166,7 +167,7 @@ def _cycle_now(ctrl, tensors, inplace, names, op, post):
         return None
     _cycled(ctrl)
     if out is False:
-        d = Deferred(ctrl, None, tensors, inplace, names, op, post, single=False)
+        d = Deferred(ctrl, threading.Event(), tensors, inplace, names, op, post, single=False)
         _negotiate_now(ctrl, [d])
         return d
     ctrl.progress, ctrl.others_more = True, False
@@ -201,8 +202,7 @@ def _negotiate_now(ctrl, ops: list, tl=None) -> None:
     """The members disagreed: the requests of `ops` (Deferred) go first into the queue and on
     into this cycle's negotiation, exactly as a queued cycle goes on after the agreed op said no."""
     reqs = []
-    for d in ops:  # each its own event from here: its requests complete one by one
-        d.event = threading.Event()
+    for d in ops:  # its requests complete one by one
         d.reqs = [C.Request(C.ALLREDUCE, nm, t, t if d.inplace else None, op=d.op, post=d.post)
                   for nm, t in zip(d.names, d.tensors)]
         d.remaining = len(d.reqs)
@@ -212,6 +212,7 @@ def _negotiate_now(ctrl, ops: list, tl=None) -> None:
     if tl is not None:
         tl.mark_cycle_start()
     with ctrl.cond:
+        ctrl.held.accepting = False  # until the negotiation is over (controller._reopen)
         for r in reqs:
             ctrl.in_flight[r.name] = r
         ctrl.queue[:0] = reqs
@@ -227,124 +228,123 @@ def _negotiate_now(ctrl, ops: list, tl=None) -> None:
 
 
 # ---- asynchronous allreduces: held for the set's next agreed step -----------------------------
-class Deferred(C.Handle):
-    """One asynchronous allreduce (or grouped allreduce) waiting in its set's pending list, and
-    its handle. The list runs as one agreed step (``flush``) when a caller waits on one of its
-    ops, or on the set's thread once no op joined it for PENDING_IDLE cycle times. Until then
-    the list's ops share one event (an Event per op costs more than the rest of the op); its
-    value is ``out`` when the step agreed, else what its requests in the negotiation hold. (A
-    synchronous allreduce whose agreed step said no goes on as one, too: allreduce_now.)"""
+# A set's pending list lives in C++ (_C._HeldSet, src/python/HorovodHeld.cpp): an op joins it in
+# one call, and its handle's result comes back in one more. The list runs (flush) as one agreed
+# step when a caller waits on one of its ops, when its bytes reach the fusion threshold (sealed
+# at that op, the same op on every member: it runs at once), or on the set's thread once no op
+# joined it for PENDING_IDLE cycle times (at most PENDING_CAP after its first). Where the lists
+# of two members end differs only when one of them runs on its timer: then the negotiation sorts
+# the requests out, each op becoming a Deferred.
+PENDING_IDLE, PENDING_CAP = 20, 100
+AWAKE_SECONDS = 1.0  # a set's thread looks for pending lists itself this long after a cycle
+DONE, FAILED, HANDED = 2, 3, 4  # a held list's states from which it is over
+OWNERS: dict = {}  # set id -> its controller, for a list's waiters
 
-    __slots__ = ("names", "tensors", "inplace", "single", "out", "reqs", "op", "post")
+
+class Deferred(C.Handle):
+    """An allreduce (or grouped allreduce) whose agreed step said no, going on into the
+    negotiation as a handle of requests: the ops of a held list that differed between the ranks,
+    or a synchronous allreduce that did (allreduce_now)."""
+
+    __slots__ = ("names", "tensors", "inplace", "single", "reqs", "op", "post")
 
     def __init__(self, ctrl, event, tensors, inplace, names, op, post, single):
         self.remaining, self.error, self.event, self.cuda_event, self.ctrl = 1, None, event, None, ctrl
         self.names, self.tensors, self.inplace, self.single = names, tensors, inplace, single
         self.op, self.post = op, post
-        self.out = self.reqs = None
+        self.reqs = None
 
     def finish(self):  # what synchronize returns
-        out = self.out
-        if out is None:  # it went on into the negotiation
-            out = [r.result if r.output is None else r.output for r in self.reqs]
+        out = [r.result if r.output is None else r.output for r in self.reqs]
         return out[0] if self.single else tuple(out)
 
 
-# A pending list runs once no op joined it for this many cycle times (HOROVOD_CYCLE_TIME), and at
-# the latest this many after it began. Where the lists of two members end differs only when one
-# of them runs on its timer: then the negotiation sorts the requests out. A list whose bytes reach
-# the fusion threshold is sealed at that op (the same op on every member) and runs at once.
-PENDING_IDLE, PENDING_CAP = 20, 100
-
-
 def can_defer(tensors, op: int, pre: float) -> bool:
-    if pre != 1.0 or op not in OPS or C.TIMELINE[0] is not None:
-        return False
-    for t in tensors:
-        if not _eligible(t):
-            return False
-    return True
+    return pre == 1.0 and op in OPS and C.TIMELINE[0] is None
 
 
 def defer(ctrl, tensors: list, inplace: bool, names: tuple, op: int, post: float, single: bool, timed: bool = True):
     """Adds an asynchronous allreduce (checked by can_defer) to the set's pending list; returns
-    its handle, or None when the set is not idle (queued or announced requests, a join, a
-    pending list of another op or factor) and the op is queued instead. A list of untimed ops
-    only (`timed` False: their caller always synchronizes them) never runs on the timer, so
-    where it ends is a point of the program on every member."""
-    if not (ctrl.agreed_ok or ctrl.size == 1):
-        return None
-    with ctrl.lock:  # the lock of ctrl.cond (its own context manager costs more here)
-        if ctrl.failed is not None or ctrl.stopping:
-            raise HorovodInternalError(SHUT_DOWN)
-        pending = ctrl.pending
-        if (ctrl.queue or ctrl.mine or ctrl.table or ctrl.join_req is not None or ctrl.joined
-                or (pending and (pending[0].op, pending[0].post) != (op, post))):
-            return None
-        flight = ctrl.in_flight
-        for nm in names:
-            if nm in flight:
-                raise ValueError(DUPLICATE_NAME)
-        if not pending:
-            ctrl.pending_event = threading.Event()
-            ctrl.pending_first = 0.0
-        if timed:
-            ctrl.pending_last = now = time.monotonic()
-            if not ctrl.pending_first:
-                ctrl.pending_first = now
+    its handle number, or None when the set holds no op now (queued or announced requests, a
+    join, a pending list of another op or factor, a tensor it does not hold) and the op is
+    queued instead. A list of untimed ops only (`timed` False: their caller always synchronizes
+    them) never runs on the timer, so where it ends is a point of the program on every member."""
+    return added(ctrl, ctrl.held.add(tensors, list(names), inplace, op, post, timed, single))
+
+
+def added(ctrl, code: int):
+    """The handle number of what _HeldSet.add / add1 answered (None: not held), waking the set's
+    thread when the list wants timing or was sealed."""
+    if code > 0:
+        if code & 2 or (code & 1 and ctrl.asleep):  # sealed, or a list to time and nobody looks
+            with ctrl.cond:
                 ctrl.cond.notify()
-        d = Deferred(ctrl, ctrl.pending_event, tensors, inplace, names, op, post, single)
-        for nm in names:
-            flight[nm] = d
-        pending.append(d)
-        for t in tensors:
-            ctrl.pending_bytes += t.nbytes
-        if 0 < ctrl.fusion_threshold <= ctrl.pending_bytes:
-            ctrl.sealed.append(pending)
-            ctrl.pending = []
-            ctrl.pending_bytes = 0
-            ctrl.cond.notify()
-    return d
+        return code >> 2
+    if code == 0:
+        return None
+    raise ValueError(DUPLICATE_NAME)
 
 
 def pending_due(ctrl) -> float:
     """When the set's thread runs its pending list (monotonic), unless a caller does first."""
-    if not ctrl.pending_first:
-        return float("inf")  # untimed ops only
-    return min(ctrl.pending_last + PENDING_IDLE * ctrl.cycle_time, ctrl.pending_first + PENDING_CAP * ctrl.cycle_time)
+    t = ctrl.cycle_time
+    return ctrl.held.due(PENDING_IDLE * t, PENDING_CAP * t)
 
 
-def flush(ctrl, batch: list) -> None:
+def wait(lst):
+    """synchronize of a held op whose list is not done: runs or waits for the list. Returns
+    True when the handle is to be looked up again (done, or handed to the negotiation)."""
+    if lst.state < DONE:
+        ctrl = OWNERS.get(lst.owner)
+        if ctrl is None:
+            lst.fail(SHUT_DOWN)
+        else:
+            ctrl.drive_held(lst)
+    if lst.state == FAILED:
+        raise HorovodInternalError(lst.error)
+    return True
+
+
+def flush(ctrl, lst) -> None:
     """Runs a pending list as one cycle (its caller holds the set's cycle): one agreed step of all
     its tensors, or, when the members' lists differ, the negotiation of their requests."""
-    tensors, inplace, names = [], [], []
-    for d in batch:
-        tensors += d.tensors
-        inplace += [d.inplace] * len(d.tensors)
-        names += d.names
-    op, post = batch[0].op, batch[0].post
+    op, post = lst.op, lst.post
     tl = C.TIMELINE[0] if STATE.rank == 0 else None
     try:
-        out = None if tl is not None else run_list(ctrl, tensors, inplace, tuple(names), op, post)
-        if out is None and ctrl.agreed_ok:  # nothing ran: the cycle still opens with the agreed op
+        got = -1  # 1 done, 0 the members' lists differed, -1 nothing ran
+        if tl is None:
+            got = lst.run(None if ctrl.size == 1 else ctrl.backend, ctrl.agreed_flag, OPS[op],
+                          _post_scale(ctrl, op, post), ctrl.fusion_threshold, ALONE_BYTES, AGREE_BYTES)
+            if got == -2:  # one small tensor: offered with the key a queued cycle offers
+                tensors, inplace, names, _, _ = lst.contents()
+                out = run_list(ctrl, tensors, inplace, names, op, post)
+                got = -1 if out is None else 1 if out else 0
+                if got == 1:
+                    lst.complete(out)
+        if got < 0 and ctrl.agreed_ok:  # nothing ran: the cycle still opens with the agreed op
             offer(ctrl, None)
     except BaseException as e:  # noqa: BLE001 - the set failed: every waiter must hear of it
-        err = ctrl.fail_with(e)
-        for d in batch:
-            d.fail(err)
+        lst.fail(str(ctrl.fail_with(e)))
         return
     _cycled(ctrl)
-    if not out:
-        _negotiate_now(ctrl, batch, tl)
+    if got != 1:
+        tensors, inplace, names, _, _ = lst.contents()
+        _handoff(ctrl, lst, tensors, inplace, names, op, post, tl)
         return
     ctrl.progress, ctrl.others_more = True, False
-    with ctrl.cond:
-        for nm in names:
-            ctrl.in_flight.pop(nm, None)
-    at = 0
-    for d in batch:
-        n = len(d.tensors)
-        d.out = out[at:at + n]
-        d.remaining = 0
-        at += n
-    batch[0].event.set()  # the list's one event
+
+
+def _handoff(ctrl, lst, tensors, inplace, names, op, post, tl) -> None:
+    """The members' lists differed: each op of `lst` becomes a Deferred under its handle number
+    (registered before the list lets go of it, so a waiter always finds one of the two) and goes
+    into this cycle's negotiation."""
+    from . import handles
+
+    ops = []
+    for h, first, count, single in lst.ops():
+        d = Deferred(ctrl, threading.Event(), tensors[first:first + count], inplace[first],
+                     names[first:first + count], op, post, single)
+        handles._handles[h] = d
+        ops.append(d)
+    lst.handoff()
+    _negotiate_now(ctrl, ops, tl)

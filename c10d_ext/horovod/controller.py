@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 import logging
+import math
 import os
 import struct
 import threading
@@ -25,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import _C as _ext
 from . import agreed
 from .basics import STATE
 from .exceptions import SHUT_DOWN, HorovodInternalError
@@ -193,11 +195,11 @@ class SetController(threading.Thread):
         self.cond = threading.Condition(self.lock)
         self.queue: list[Request] = []
         self.in_flight: dict = {}  # name -> request (or agreed.Deferred), for the duplicate check
-        self.pending: list = []  # asynchronous allreduces held for one agreed step (agreed.defer)
-        self.pending_bytes = 0
-        self.sealed: list = []  # pending lists that filled a fusion buffer: they run at once
-        self.pending_first = self.pending_last = 0.0
-        self.pending_event = None  # the pending list's one event
+        self.fusion_threshold = _threshold()
+        # Asynchronous allreduces held for one agreed step (agreed.py): the open pending list,
+        # the sealed ones (they filled a fusion buffer: they run at once) and their names.
+        self.held = _ext._HeldSet(entry.id, self.fusion_threshold)
+        agreed.OWNERS[entry.id] = self
         self.mine: dict[int, Request] = {}  # announced here, not done: name hash -> request
         self.table: dict[int, Announced] = {}
         self.joined: dict[int, int] = {}  # member -> cycle it joined in
@@ -206,7 +208,7 @@ class SetController(threading.Thread):
         self.stopping = False
         self.failed: BaseException | None = None
         self.cycles = 0
-        self.fusion_threshold = _threshold()
+        self.asleep = False  # this set's thread waits until told (_loop)
         # Horovod's stall inspector: a warning on the set's rank 0, and optionally a shutdown
         self.stall_check = _env_seconds("HOROVOD_STALL_CHECK_DISABLE", 0) <= 0
         self.stall_warn = _env_seconds("HOROVOD_STALL_CHECK_TIME_SECONDS", 60)
@@ -236,6 +238,7 @@ class SetController(threading.Thread):
         self.msg = torch.frombuffer(self.msg_arr, dtype=torch.int64)
         self.gathered_arr = array("q", bytes(8 * width * self.size))
         self.gathered = torch.frombuffer(self.gathered_arr, dtype=torch.int64)
+        self._reopen()
 
     # ---- the caller's side -------------------------------------------------------------------
     def submit(self, requests: list[Request], wake: bool = True) -> None:
@@ -244,11 +247,13 @@ class SetController(threading.Thread):
         with self.cond:
             if self.failed is not None or self.stopping:
                 raise HorovodInternalError(SHUT_DOWN)
+            held = self.held
             for r in requests:
-                if r.kind not in (JOIN, BARRIER) and r.name in self.in_flight:
+                if r.kind not in (JOIN, BARRIER) and (r.name in self.in_flight or held.holds(r.name)):
                     from .exceptions import DUPLICATE_NAME
 
                     raise ValueError(DUPLICATE_NAME)
+            held.accepting = False  # until the queue is empty again (step)
             for r in requests:
                 if r.kind == JOIN:
                     self.join_req = r
@@ -273,13 +278,21 @@ class SetController(threading.Thread):
         return bool(self.queue or self.mine or self.join_req)
 
     def _has_work(self) -> bool:
-        return self._requests() or bool(self.pending or self.sealed)
+        return self._requests() or self.held.has_open or self.held.has_sealed
+
+    def _reopen(self) -> None:
+        """Whether asynchronous allreduces may be held now (agreed.defer): the set is idle (nothing
+        queued, announced or joining) and its agreed op known. Called with the cond held."""
+        self.held.accepting = ((self.agreed_ok or self.size == 1) and self.failed is None and not self.stopping
+                               and TIMELINE[0] is None
+                               and not (self.queue or self.mine or self.table or self.join_req is not None
+                                        or self.joined))
 
     def _loop(self) -> None:
         while True:
             with self.cond:
                 while not (self.stopping or self.failed):
-                    if self.sealed:
+                    if self.held.has_sealed:
                         break
                     if self._requests():
                         # Horovod's cycle: asynchronous requests gather for up to one cycle time
@@ -288,13 +301,24 @@ class SetController(threading.Thread):
                         if pause > 0:
                             self.cond.wait(pause)
                         break
-                    if self.pending:  # runs once none came for a cycle time (or a caller runs it)
-                        pause = agreed.pending_due(self) - time.monotonic()
+                    due = agreed.pending_due(self)  # (infinite: no list, or one of untimed ops)
+                    if due != math.inf:  # runs once none came for a while (or a caller runs it)
+                        pause = due - time.monotonic()
                         if pause <= 0:
                             break
                         self.cond.wait(pause)
                         continue
-                    self.cond.wait()
+                    # Idle. While the set was used lately, this thread looks again every
+                    # PENDING_IDLE cycle times, so that a pending list that begins meanwhile is
+                    # timed without waking it from its first op (agreed.added): a wake would cost
+                    # that op a thread switch. Idle longer, it sleeps until told.
+                    if time.monotonic() - self.last_cycle < agreed.AWAKE_SECONDS:
+                        self.cond.wait(agreed.PENDING_IDLE * self.cycle_time)
+                        continue
+                    self.asleep = True
+                    if not self.held.has_open:  # (a list that began before this line was not told)
+                        self.cond.wait()
+                    self.asleep = False
                 if self.stopping or self.failed:
                     break
             with self.driver:
@@ -306,27 +330,32 @@ class SetController(threading.Thread):
     def step(self, waiter: bool = False) -> bool:
         """One cycle, run by whoever holds ``driver``: this thread, or a caller waiting on an op
         (`waiter`; which saves two thread switches per op). False once the set failed."""
+        try:
+            return self._step(waiter)
+        finally:
+            with self.cond:
+                self._reopen()
+
+    def _step(self, waiter: bool) -> bool:
+        held = self.held
         with self.cond:
             if self.failed or self.stopping or not self._has_work():
                 return not self.failed
-            if self.sealed:  # filled a fusion buffer: before anything that came after it
-                deferred = self.sealed.pop(0)
-            else:
-                if self.pending and not waiter and not self._requests() and time.monotonic() < agreed.pending_due(self):
+            deferred = held.take(False)  # a sealed list filled a fusion buffer: it runs first
+            if deferred is None:
+                if held.has_open and not waiter and not self._requests() and time.monotonic() < agreed.pending_due(self):
                     return True  # nobody waits on the pending list and it is not due: _loop times it
-                if not self.pending and not self.queue and not self.progress and not self.others_more:
+                if not held.has_open and not self.queue and not self.progress and not self.others_more:
                     # Requests wait on peers and nothing changed: one cycle time, or new work.
                     self.cond.wait(self.cycle_time)
                     if self.stopping or not self._requests():
                         return True  # (a pending list that came meanwhile runs when due: _loop)
-                deferred = self.pending
-                if deferred:  # before anything queued: it came first
-                    self.pending, self.pending_bytes = [], 0
-                else:
+                deferred = held.take(True)  # before anything queued: it came first
+                if deferred is None:
                     batch = self.queue[:SLOTS]
                     del self.queue[:SLOTS]
                     more = bool(self.queue)
-        if deferred:
+        if deferred is not None:
             agreed.flush(self, deferred)
             return self.failed is None
         try:
@@ -339,19 +368,26 @@ class SetController(threading.Thread):
     def drive(self, handle: "Handle") -> None:
         """Waits for `handle`, running cycles on this (the caller's) thread while the set's own
         thread is not running one."""
-        while not handle.event.is_set():
+        self._drive(handle.event.is_set, handle.event.wait)
+
+    def drive_held(self, lst) -> None:
+        """drive for a held list (agreed.py): until it is done, failed or handed on."""
+        self._drive(lambda: lst.state >= agreed.DONE, lst.wait)
+
+    def _drive(self, done, wait) -> None:
+        while not done():
             if self.failed is not None or self.stopping:
-                handle.event.wait(0.01)
+                wait(0.01)
                 continue
             if self.driver.acquire(blocking=False):
                 try:
-                    if not handle.event.is_set():
+                    if not done():
                         with torch.no_grad():
                             self.step(waiter=True)
                 finally:
                     self.driver.release()
             else:
-                handle.event.wait(0.0005)
+                wait(0.0005)
 
     def fail_with(self, e: BaseException) -> HorovodInternalError:
         """Fails the set with `e` as Horovod's error (what a cycle raised); returns that error."""
@@ -364,16 +400,15 @@ class SetController(threading.Thread):
             if not stopping and self.failed is None:
                 self.failed = error
             reqs = list(self.mine.values()) + self.queue + ([self.join_req] if self.join_req else [])
-            deferred = [d for lst in self.sealed for d in lst] + self.pending
-            self.pending, self.sealed, self.pending_bytes = [], [], 0
+            held = self.held.take_all()  # and holds no more
             self.mine.clear()
             self.queue.clear()
             self.in_flight.clear()
             self.join_req = None
         for r in reqs:
             r.handle.part_done(r, error)
-        for d in deferred:
-            d.fail(error)
+        for lst in held:
+            lst.fail(str(error))
         if not stopping:
             log.warning("hvd: process set %d failed: %s", self.entry.id, error)
 
@@ -516,6 +551,15 @@ THREAD_INIT: list = []  # callables each controller thread runs first (the CUDA 
 TIMELINE: list = [None]  # the Timeline rank 0 writes, when one is on (mpi_ops.start_timeline)
 
 
+def set_timeline(tl) -> None:
+    """Turns the timeline on (a Timeline) or off (None). While it is on, no set holds ops
+    (agreed.py): each op is a request, so that the timeline shows it."""
+    TIMELINE[0] = tl
+    for c in list(_CONTROLLERS.values()):
+        with c.cond:
+            c._reopen()
+
+
 def start_set(entry) -> None:
     if entry.group is None:
         return
@@ -548,6 +592,7 @@ def stop_set(entry, grace: float = 5.0) -> bool:
         return False
     with c.cond:
         c.stopping = True
+        c.held.accepting = False
         c.cond.notify_all()
     c.join(grace)
     if c.is_alive():  # blocked in a collective whose peers are gone: unblock it
@@ -555,6 +600,9 @@ def stop_set(entry, grace: float = 5.0) -> bool:
         c.join(grace)
         c.failed = c.failed or HorovodInternalError(SHUT_DOWN)
     entry.controller = None
+    c.held.close()
+    if agreed.OWNERS.get(entry.id) is c:
+        del agreed.OWNERS[entry.id]
     return c.failed is not None and getattr(c.failed, "peer_lost", True)
 
 

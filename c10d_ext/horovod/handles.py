@@ -9,7 +9,8 @@ import warnings
 
 import torch
 
-from . import controller as C
+from .. import _C as _ext
+from . import agreed, controller as C
 from .basics import STATE
 from .exceptions import NOT_INITIALIZED, HorovodInternalError
 from .process_sets import _lookup
@@ -19,25 +20,26 @@ Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _REDUCE_TYPES = {torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.bfloat16}
 _MOVE_TYPES = _REDUCE_TYPES | {torch.uint8, torch.int8, torch.int16}
 
-_handles: dict[int, C.Handle] = {}
+_handles: dict[int, C.Handle] = {}  # the handles of ops not held (agreed.py holds the others)
 _local = threading.local()  # .sync: inside a synchronous op, whose caller drives the cycles
 _handles_lock = threading.Lock()
-_next = [0]
+_held_result, _held_poll, _HeldList = _ext._hvd_result, _ext._hvd_poll, _ext._HeldList
+_next_handle, _peek_handle, reset_handles = _ext._hvd_next_handle, _ext._hvd_peek_handle, _ext._hvd_reset_handles
 
 
 # ---- handles ----------------------------------------------------------------------------------
+# Numbers come from one counter with the held ops' (src/python/HorovodHeld.cpp), from 1 after init.
 def _new_handle(handle: C.Handle) -> int:
     with _handles_lock:
-        _next[0] += 1
-        _handles[_next[0]] = handle
-        return _next[0]
-
-
-def _peek_handle() -> int:
-    return _next[0] + 1
+        h = _next_handle()
+        _handles[h] = handle
+        return h
 
 
 def poll(handle: int) -> bool:
+    done = _held_poll(handle)
+    if done >= 0:
+        return bool(done)
     h = _handles.get(handle)
     if h is None:
         raise ValueError(f"Handle {handle} was not created or has been cleared.")
@@ -45,6 +47,13 @@ def poll(handle: int) -> bool:
 
 
 def synchronize(handle: int):
+    while True:
+        r = _held_result(handle)
+        if r is None:
+            break
+        if type(r) is not _HeldList:
+            return r  # a held op's result: its handle is gone
+        agreed.wait(r)  # runs its list, or raises its error; then look again
     h = _handles.get(handle)
     if h is None:
         return None
@@ -58,7 +67,7 @@ def _wait(h: C.Handle):
     if not h.event.is_set():  # (is_set costs a fraction of wait: most handles are done by now)
         if h.ctrl is not None:
             h.ctrl.drive(h)
-        while not h.event.wait(0.1):  # h.event: a held op's event may be replaced (agreed.flush)
+        while not h.event.wait(0.1):
             pass
     if h.error is not None:
         raise HorovodInternalError(str(h.error))

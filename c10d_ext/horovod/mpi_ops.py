@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _C as _ext
 from . import agreed, basics, controller as C
 from .basics import (STATE, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,  # noqa: F401
                      gloo_enabled, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
@@ -18,9 +19,13 @@ from .basics import (STATE, ccl_built, cross_rank, cross_size, cuda_built, ddl_b
 from .compression import Compression
 from .exceptions import NOT_INITIALIZED, HorovodInternalError
 from .handles import (_REDUCE_TYPES, Adasum, Average, Max, Min, Product, Sum, _average_compat,  # noqa: F401
-                      _check_tensor, _entry, _handles, _handles_lock, _name, _new_handle, _next, _peek_handle,
-                      _same_device, _submit, _sync, _wait, poll, synchronize)
+                      _check_tensor, _entry, _handles, _handles_lock, _name, _new_handle, _next_handle, _peek_handle,
+                      _same_device, _submit, _sync, _wait, poll, reset_handles, synchronize)
 from .process_sets import ProcessSet, global_process_set  # noqa: F401
+
+# An allreduce_async's one call: its handle, with flags, when its set holds it (agreed.py; the set's
+# thread runs a held list; the caller of agreed.added wakes it), 0 when not held, -1 a held name.
+_hold = _ext._hvd_hold
 
 
 def init(*args, **kwargs):
@@ -32,7 +37,7 @@ def init(*args, **kwargs):
 def shutdown():
     with _handles_lock:
         _handles.clear()
-        _next[0] = 0
+        reset_handles()
     stop_timeline_quietly()
     basics.shutdown()
 
@@ -88,12 +93,11 @@ def _allreduce_fast(tensors, inplace, prefix, name, op, pre, post, process_set):
     c = entry.controller
     if c is None or not (c.agreed_ok or c.size == 1):
         return None
-    names = _names(prefix, name, _next[0] + 1, len(tensors))
+    names = _names(prefix, name, _peek_handle(), len(tensors))
     out = agreed.allreduce_now(c, tensors, inplace, names, op, post)
     if out is None:
         return None
-    with _handles_lock:  # the handle number the op would have had (unnamed ops are named by it)
-        _next[0] += 1
+    _next_handle()  # the handle number the op would have had (unnamed ops are named by it)
     return out if isinstance(out, list) else _wait(out)
 
 
@@ -105,8 +109,7 @@ def _defer(tensors, inplace, prefix, name, op, post, process_set, timed):
     if c is None:
         return None
     names = _names(prefix, name, _peek_handle(), len(tensors))
-    h = agreed.defer(c, tensors, inplace, names, op, post, prefix == "allreduce", timed)
-    return None if h is None else _new_handle(h)
+    return agreed.defer(c, tensors, inplace, names, op, post, prefix == "allreduce", timed)
 
 
 @_sync
@@ -131,12 +134,24 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
+    if average is None and prescale_factor == 1.0:  # held in one call when the set is idle (agreed.py)
+        code = _hold(process_set.process_set_id, tensor, name, False, Average if op is None else op, postscale_factor)
+        if code > 0 and not code & 3:
+            return code >> 2
+        if code:
+            return agreed.added(agreed.OWNERS[process_set.process_set_id], code)
     op = _average_compat(op, average)
     return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set):
+    if average is None and prescale_factor == 1.0:
+        code = _hold(process_set.process_set_id, tensor, name, True, Average if op is None else op, postscale_factor)
+        if code > 0 and not code & 3:
+            return code >> 2
+        if code:
+            return agreed.added(agreed.OWNERS[process_set.process_set_id], code)
     op = _average_compat(op, average)
     return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -314,7 +329,7 @@ def _open_env_timeline():
     if path and path != "DYNAMIC" and STATE.rank == 0 and C.TIMELINE[0] is None:
         from .timeline import Timeline
 
-        C.TIMELINE[0] = Timeline(path, mark)
+        C.set_timeline(Timeline(path, mark))
 
 
 def start_timeline(file_path, mark_cycles=False):
@@ -330,7 +345,7 @@ def start_timeline(file_path, mark_cycles=False):
         return
     from .timeline import Timeline
 
-    C.TIMELINE[0] = Timeline(file_path, mark_cycles)
+    C.set_timeline(Timeline(file_path, mark_cycles))
     if current is not None:
         current.close()
 
@@ -348,7 +363,8 @@ def stop_timeline():
 
 
 def stop_timeline_quietly():
-    tl, C.TIMELINE[0] = C.TIMELINE[0], None
+    tl = C.TIMELINE[0]
+    C.set_timeline(None)
     if tl is not None:
         tl.close()
 

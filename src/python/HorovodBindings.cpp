@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 
 #include <algorithm>
 #include <cstring>
@@ -14,7 +15,7 @@
 #include <vector>
 
 #include "Bindings.hpp"
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "Horovod.hpp"
 
 namespace py = pybind11;
 
@@ -25,7 +26,9 @@ bool agreedWait(myccl::MycclBackend& b, at::Tensor& t, at::Tensor& agreed, int64
   return *static_cast<const uint8_t*>(agreed.data_ptr()) != 0;
 }
 
-bool offerable(at::ScalarType s) {
+}  // namespace
+
+bool hvdOfferable(at::ScalarType s) {
   switch (s) {
     case at::kFloat:
     case at::kDouble:
@@ -36,6 +39,8 @@ bool offerable(at::ScalarType s) {
     default: return false;
   }
 }
+
+namespace {
 
 uint64_t mix(uint64_t h, uint64_t v) {
   h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
@@ -83,7 +88,110 @@ std::vector<Chunk> plan(const std::vector<at::Tensor>& tensors, int64_t fuseByte
 
 }  // namespace
 
+int hvdAgreedMany(myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors, const std::vector<bool>& inplace,
+                  at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op, double scale, int64_t fuseBytes,
+                  int64_t aloneBytes, int64_t agreeBytes, std::vector<at::Tensor>& out) {
+  if (tensors.empty() || inplace.size() != tensors.size()) return -1;
+  uint64_t h = static_cast<uint64_t>(key);
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !hvdOfferable(t.scalar_type()) ||
+        !t.is_contiguous())
+      return -1;
+    h = mix(mix(h, static_cast<uint64_t>(t.scalar_type())), static_cast<uint64_t>(t.dim()));
+    for (int64_t s : t.sizes()) h = mix(h, static_cast<uint64_t>(s));
+  }
+  if (h == 0) h = 1;  // 0 means "no offer"
+  out.assign(tensors.size(), at::Tensor());
+  bool ok = true;
+  {
+    const auto chunks = plan(tensors, fuseBytes, aloneBytes);
+    // The carrier of the agreement (the first chunk small enough) runs first, then the plan's order.
+    const auto carrier = std::find_if(chunks.begin(), chunks.end(),
+                                      [&](const Chunk& ch) { return ch.bytes <= agreeBytes; });
+    const bool carried = carrier != chunks.end();
+    std::vector<size_t> order;
+    if (carried) order.push_back(static_cast<size_t>(carrier - chunks.begin()));
+    for (size_t c = 0; c < chunks.size(); ++c)
+      if (!carried || c != order[0]) order.push_back(c);
+    if (b != nullptr && !carried) {
+      at::Tensor probe = at::zeros({1}, at::kFloat);
+      ok = agreedWait(*b, probe, agreed, static_cast<int64_t>(h), op);
+    }
+    for (size_t k = 0; k < order.size() && ok; ++k) {
+      const size_t c = order[k];
+      const Chunk& ch = chunks[c];
+      const bool alone = ch.members.size() == 1 && !ch.fused;
+      const at::Tensor& first = tensors[ch.members[0]];
+      at::Tensor buf;
+      if (alone)
+        buf = inplace[ch.members[0]] ? first : first.clone();
+      else
+        buf = at::empty({ch.numel}, first.options());
+      char* base = static_cast<char*>(buf.data_ptr());
+      const size_t item = buf.element_size();
+      if (!alone) {
+        size_t off = 0;
+        for (size_t i : ch.members) {
+          const size_t n = tensors[i].numel() * item;
+          if (n) std::memcpy(base + off, tensors[i].data_ptr(), n);
+          off += n;
+        }
+      }
+      if (b != nullptr) {
+        if (k == 0 && carried) {
+          ok = agreedWait(*b, buf, agreed, static_cast<int64_t>(h), op);
+          if (!ok) break;
+        } else {
+          std::vector<at::Tensor> one{buf};
+          c10d::AllreduceOptions opts;
+          opts.reduceOp = op;
+          opts.asyncOp = false;
+          b->allreduce(one, opts)->wait();
+        }
+      }
+      if (scale != 1.0) {
+        if (at::isFloatingType(buf.scalar_type()))
+          buf.mul_(scale);
+        else
+          buf.copy_((buf.to(at::kDouble) * scale).trunc());
+      }
+      if (alone) {
+        out[ch.members[0]] = buf;
+        continue;
+      }
+      size_t off = 0;
+      for (size_t i : ch.members) {
+        const at::Tensor& t = tensors[i];
+        // (empty_cpu: the allocation without the dispatcher, a third of this loop's time)
+        at::Tensor dst = inplace[i] ? t : at::Tensor(at::detail::empty_cpu(t.sizes(), t.scalar_type()));
+        const size_t n = t.numel() * item;
+        if (n) std::memcpy(dst.data_ptr(), base + off, n);
+        off += n;
+        out[i] = std::move(dst);
+      }
+    }
+  }
+  return ok ? 1 : 0;
+}
+
+uint64_t hvdKeyOfNames(const std::vector<std::string>& names, int64_t op, double post) {
+  uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a over the names, each ended by a zero byte
+  for (const auto& nm : names) {
+    for (unsigned char c : nm) h = (h ^ c) * 0x100000001B3ull;
+    h *= 0x100000001B3ull;
+  }
+  uint64_t bits = 0;
+  std::memcpy(&bits, &post, sizeof bits);
+  h = mix(mix(h, static_cast<uint64_t>(op)), bits);
+  return h ? h : 1;  // 0 means "no offer"
+}
+
 void bindHorovod(py::module& m) {
+  // The key of a list of names with its op and postscale (_HeldList.run, agreed._key_many).
+  m.def("_hvd_key", [](const std::vector<std::string>& names, int64_t op, double post) {
+    return static_cast<int64_t>(hvdKeyOfNames(names, op, post));
+  });
+
   // One tensor: whether every rank agreed (the tensor then holds the result).
   m.def("_agreed_all_reduce_wait", &agreedWait, py::arg("backend"), py::arg("tensor"), py::arg("agreed"),
         py::arg("key"), py::arg("op"), py::call_guard<py::gil_scoped_release>());
@@ -105,87 +213,14 @@ void bindHorovod(py::module& m) {
       [](myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors, const std::vector<bool>& inplace,
          at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op, double scale, int64_t fuseBytes,
          int64_t aloneBytes, int64_t agreeBytes) -> py::object {
-        if (tensors.empty() || inplace.size() != tensors.size()) return py::none();
-        uint64_t h = static_cast<uint64_t>(key);
-        for (const auto& t : tensors) {
-          if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !offerable(t.scalar_type()) ||
-              !t.is_contiguous())
-            return py::none();
-          h = mix(mix(h, static_cast<uint64_t>(t.scalar_type())), static_cast<uint64_t>(t.dim()));
-          for (int64_t s : t.sizes()) h = mix(h, static_cast<uint64_t>(s));
-        }
-        if (h == 0) h = 1;  // 0 means "no offer"
-        std::vector<at::Tensor> out(tensors.size());
-        bool ok = true;
+        std::vector<at::Tensor> out;
+        int got;
         {
           py::gil_scoped_release nogil;
-          const auto chunks = plan(tensors, fuseBytes, aloneBytes);
-          // The carrier of the agreement (the first chunk small enough) runs first, then the plan's order.
-          const auto carrier = std::find_if(chunks.begin(), chunks.end(),
-                                            [&](const Chunk& ch) { return ch.bytes <= agreeBytes; });
-          const bool carried = carrier != chunks.end();
-          std::vector<size_t> order;
-          if (carried) order.push_back(static_cast<size_t>(carrier - chunks.begin()));
-          for (size_t c = 0; c < chunks.size(); ++c)
-            if (!carried || c != order[0]) order.push_back(c);
-          if (b != nullptr && !carried) {
-            at::Tensor probe = at::zeros({1}, at::kFloat);
-            ok = agreedWait(*b, probe, agreed, static_cast<int64_t>(h), op);
-          }
-          for (size_t k = 0; k < order.size() && ok; ++k) {
-            const size_t c = order[k];
-            const Chunk& ch = chunks[c];
-            const bool alone = ch.members.size() == 1 && !ch.fused;
-            const at::Tensor& first = tensors[ch.members[0]];
-            at::Tensor buf;
-            if (alone)
-              buf = inplace[ch.members[0]] ? first : first.clone();
-            else
-              buf = at::empty({ch.numel}, first.options());
-            char* base = static_cast<char*>(buf.data_ptr());
-            const size_t item = buf.element_size();
-            if (!alone) {
-              size_t off = 0;
-              for (size_t i : ch.members) {
-                const size_t n = tensors[i].numel() * item;
-                if (n) std::memcpy(base + off, tensors[i].data_ptr(), n);
-                off += n;
-              }
-            }
-            if (b != nullptr) {
-              if (k == 0 && carried) {
-                ok = agreedWait(*b, buf, agreed, static_cast<int64_t>(h), op);
-                if (!ok) break;
-              } else {
-                std::vector<at::Tensor> one{buf};
-                c10d::AllreduceOptions opts;
-                opts.reduceOp = op;
-                opts.asyncOp = false;
-                b->allreduce(one, opts)->wait();
-              }
-            }
-            if (scale != 1.0) {
-              if (at::isFloatingType(buf.scalar_type()))
-                buf.mul_(scale);
-              else
-                buf.copy_((buf.to(at::kDouble) * scale).trunc());
-            }
-            if (alone) {
-              out[ch.members[0]] = buf;
-              continue;
-            }
-            size_t off = 0;
-            for (size_t i : ch.members) {
-              const at::Tensor& t = tensors[i];
-              at::Tensor dst = inplace[i] ? t : at::empty(t.sizes(), t.options());
-              const size_t n = t.numel() * item;
-              if (n) std::memcpy(dst.data_ptr(), base + off, n);
-              off += n;
-              out[i] = std::move(dst);
-            }
-          }
+          got = hvdAgreedMany(b, tensors, inplace, agreed, key, op, scale, fuseBytes, aloneBytes, agreeBytes, out);
         }
-        if (!ok) return py::bool_(false);  // declined (a list of none is never offered)
+        if (got < 0) return py::none();
+        if (got == 0) return py::bool_(false);  // declined (a list of none is never offered)
         return py::cast(out);
       },
       py::arg("backend"), py::arg("tensors"), py::arg("inplace"), py::arg("agreed"), py::arg("key"), py::arg("op"),

@@ -1,0 +1,23 @@
+// What the two files of c10d_ext.horovod's module part share (defined in HorovodBindings.cpp):
+// the agreed step of a list of tensors, and the key of a list of names.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "myccl/ProcessGroupMyccl.hpp"
+
+// The dtypes the agreed all_reduce offers.
+bool hvdOfferable(c10::ScalarType s);
+
+// One agreed step of `tensors` (see _agreed_all_reduce_many): 1 when every rank offered the same
+// (`out` holds the results), 0 when not (nothing written), -1 when a tensor cannot be offered
+// (nothing ran). Called without the GIL.
+int hvdAgreedMany(myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors, const std::vector<bool>& inplace,
+                  at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op, double scale, int64_t fuseBytes,
+                  int64_t aloneBytes, int64_t agreeBytes, std::vector<at::Tensor>& out);
+
+// The key of a list of names with its op and postscale: nonzero, the same on every rank.
+uint64_t hvdKeyOfNames(const std::vector<std::string>& names, int64_t op, double post);
