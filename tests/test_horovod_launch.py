@@ -209,7 +209,7 @@ def test_parse_args_defaults_and_errors(tmp_path, capsys):
     assert hvdrun.parse_args(["-cb"]).check_build
     for argv, text in ((["python", "x.py"], "the following arguments are required: -np/--num-proc"),
                        (["-np", "2", "-H", "a:2", "-hostfile", str(f), "true"], "not allowed with argument"),
-                       (["-np", "2", "--min-np", "1", "-H", "a:1,b:1", "true"], "elastic mode"),
+                       (["--min-np", "2", "--host-discovery-script", "./d.sh"], "no command to run"),
                        (["-np", "2", "--log-level", "LOUD", "true"], "invalid choice"),
                        (["-np", "2"], "no command to run")):
         with pytest.raises(SystemExit):

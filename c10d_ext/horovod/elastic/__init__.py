@@ -2,9 +2,10 @@
 after a failure or a host change, from the last committed state, on the world as it is now.
 
 Here a reset is ``shutdown(); init()``: after a rank is lost (HorovodInternalError), the new
-``init()`` forms the world of the survivors (torch >= 2.14). No driver adds or removes hosts;
-host updates reach a state only through ``notification_manager.handle_hosts_updated`` or
-``State.on_hosts_updated``.
+``init()`` forms the world of the survivors (torch >= 2.14); after a commit that admitted new
+processes (join.py; the launcher's elastic mode, driver.py, starts them on discovered slots), it
+forms the larger world. Other host updates reach a state through
+``notification_manager.handle_hosts_updated`` or ``State.on_hosts_updated``.
 """
 
 from __future__ import annotations

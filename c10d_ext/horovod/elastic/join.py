@@ -65,6 +65,7 @@ def join_running_job() -> None:
     STATE.job_store = dist.TCPStore(addr, port, is_master=False, timeout=_timeout())
     store = _elastic_store()
     me = store.add("joiners", 1)  # 1, 2, ... in the order joiners came
+    store.set(f"who/{me}", os.environ.get("MYCCL_HVD_WORKER_ID", ""))  # the elastic launcher's name for it
     gen, members = json.loads(store.get(f"admit/{me}"))  # waits for the job's next commit
     make_world(gen, members, f"j{me}")
 
