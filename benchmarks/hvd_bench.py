@@ -13,6 +13,7 @@ machine hits all of them alike; reported are medians over the rounds.
 
     python benchmarks/hvd_bench.py                 # 2 ranks
     python benchmarks/hvd_bench.py --world-size 4 --rounds 5
+    python benchmarks/hvd_bench.py --transport tcp    # every group over TCP, as across hosts
 
 Prints one table per part and writes JSON (--out).
 """
@@ -53,6 +54,8 @@ def _model(width: int, layers: int) -> torch.nn.Module:
 
 def worker(rank: int, size: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
+    if args.transport:
+        os.environ["MYCCL_TRANSPORT"] = args.transport
     torch.set_num_threads(1)
     import c10d_ext
     import c10d_ext.horovod as hvd
@@ -64,24 +67,28 @@ def worker(rank: int, size: int, port: int, args, queue) -> None:
     group = STATE.group
     out: dict = {"op": {}, "many": {}, "step": {}}
 
-    # 1. per op, 8 bytes; also with the one-step agreed path turned off, as before it existed
-    # (every rank turns it off and back between the same two ops, so their cycles stay in step)
+    # 1. per op, 8 bytes; also without the one-step agreed op (its key in the negotiation's
+    # message, as across hosts), and negotiated as a request, as before either existed (every
+    # rank turns them off and back between the same two ops, so their cycles stay in step)
     x = torch.ones(2)
     from c10d_ext.horovod import controller
 
     ctrl = controller._CONTROLLERS[0]
 
-    def negotiated():
+    def without_agreed_op(name="lat3", hold=True):
         was, ctrl.agreed_ok = ctrl.agreed_ok, False
+        if not hold:
+            ctrl.held.accepting = False  # (the cycle's end turns it on again)
         try:
-            hvd.allreduce(x, name="lat2", op=hvd.Sum)
+            hvd.allreduce(x, name=name, op=hvd.Sum)
         finally:
             ctrl.agreed_ok = was
 
     ops = {
         "dist.all_reduce (myccl)": lambda: dist.all_reduce(x, group=group),
         "hvd.allreduce (myccl)": lambda: hvd.allreduce(x, name="lat", op=hvd.Sum),
-        "hvd.allreduce, negotiated (myccl)": negotiated,
+        "hvd.allreduce, key negotiated (myccl)": without_agreed_op,
+        "hvd.allreduce, negotiated (myccl)": lambda: without_agreed_op("lat2", hold=False),
         "dist.all_reduce (gloo)": lambda: dist.all_reduce(x, group=gloo),
     }
     # 2. 100 small tensors
@@ -157,11 +164,14 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--transport", choices=["auto", "tcp", "shm"], default=None,
+                    help="MYCCL_TRANSPORT for every group (tcp: no shared memory, as across hosts)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_out", "hvd_bench.json"))
     args = ap.parse_args(argv)
     out = run_ranks(worker, args.world_size, args, timeout=1800)
     med = {part: {k: statistics.median(v) for k, v in tbl.items()} for part, tbl in out.items()}
-    print(f"c10d_ext.horovod vs torch.distributed, {args.world_size} ranks, medians of {args.rounds} rounds")
+    how = f", transport {args.transport}" if args.transport else ""
+    print(f"c10d_ext.horovod vs torch.distributed, {args.world_size} ranks{how}, medians of {args.rounds} rounds")
     print(f"\n{'per op (8 B)':40s} {'us':>10s}")
     for k, v in med["op"].items():
         print(f"{k:40s} {v * 1e6:10.1f}")

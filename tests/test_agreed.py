@@ -600,3 +600,53 @@ def test_hvd_held_ops_from_many_threads(run, size):
                 want = sum(value(q, torch.float32, salt=k + j) for q in range(size)).tolist()
                 for it in range(rounds):
                     assert out["got"][f"th{k}.{it}.{j}"] == want, (r, k, it, j)
+
+
+# ---- held ops across hosts: the list's key rides on the negotiation's message -------------------
+def body_hvd_held_tcp(ctx):
+    import c10d_ext.horovod as hvd
+    from test_horovod import stop, value
+
+    from c10d_ext.horovod import controller as C
+
+    ctx.init(timeout=60)
+    hvd.init()
+    ctrl = C._CONTROLLERS[0]
+    r = hvd.rank()
+    hvd.allreduce(torch.ones(1), name="warm", op=hvd.Sum)
+    out = {"agreed_ok": ctrl.agreed_ok, "lists": []}
+    for step in range(3):  # the same list on every rank: one cycle each, whatever its length
+        c0 = ctrl.cycles
+        ts = [value(r, torch.float32, shape=(k % 7 + 1,), salt=step + k) for k in range(100)]
+        hs = [hvd.allreduce_async(t, name=f"s{step}.{k}", op=hvd.Sum) for k, t in enumerate(ts)]
+        hs.append(hvd.grouped_allreduce_async_([value(r, torch.int64, salt=step), value(r, torch.float64, salt=step)],
+                                               name=f"g{step}", op=hvd.Sum))
+        got = [hvd.synchronize(h) for h in hs]
+        out["lists"].append({"cycles": ctrl.cycles - c0, "values": [g.tolist() for g in got[:-1]],
+                             "grouped": [g.tolist() for g in got[-1]]})
+    # lists that differ between the ranks (rank 0 holds one op more): the negotiation sorts them out
+    hs = [hvd.allreduce_async(torch.full((2,), float(r + 1)), name=f"d{k}", op=hvd.Sum) for k in range(3 + (r == 0))]
+    if r != 0:
+        hs.append(hvd.allreduce_async(torch.full((2,), float(r + 1)), name="d3", op=hvd.Sum))
+    out["differ"] = [hvd.synchronize(h).tolist() for h in hs]
+    stop(hvd)
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_hvd_held_lists_across_hosts_agree_in_the_negotiation(run, size):
+    from test_horovod import value
+
+    # MYCCL_TRANSPORT=tcp: every group as if its ranks were on different hosts (no agreed op)
+    res = run(size, body_hvd_held_tcp, env={"MYCCL_TRANSPORT": "tcp"}, timeout=120)
+    for r, out in enumerate(res):
+        assert out["agreed_ok"] is False, (r, out["agreed_ok"])
+        for step, lst in enumerate(out["lists"]):
+            assert lst["cycles"] == 1, (r, step, lst["cycles"])  # 101 ops (a cycle announces 64): one
+            for k, got in enumerate(lst["values"]):
+                want = sum(value(q, torch.float32, shape=(k % 7 + 1,), salt=step + k) for q in range(size))
+                assert got == want.tolist(), (r, step, k, got)
+            assert lst["grouped"] == [sum(value(q, d, salt=step) for q in range(size)).tolist()
+                                      for d in (torch.int64, torch.float64)], (r, step, lst["grouped"])
+        want = float(sum(q + 1 for q in range(size)))
+        assert out["differ"] == [[want] * 2] * 4, (r, out["differ"])

@@ -312,6 +312,20 @@ def flush(ctrl, lst) -> None:
     tl = C.TIMELINE[0] if STATE.rank == 0 else None
     try:
         got = -1  # 1 done, 0 the members' lists differed, -1 nothing ran
+        if tl is None and ctrl.size > 1 and not ctrl.agreed_ok:
+            # Across hosts (no agreed op): the list's key rides on this cycle's negotiation
+            # message; where every member announced the same, its buffers run as plain all_reduces.
+            ctrl.progress, ctrl.others_more = ctrl._negotiate([], False, None, False, list_key=lst.key())
+            got = 0
+            if ctrl.list_agreed:
+                got = lst.run(ctrl.backend, ctrl.agreed_flag, OPS[op], _post_scale(ctrl, op, post),
+                              ctrl.fusion_threshold, ALONE_BYTES, -1)
+            _cycled(ctrl)
+            ctrl.progress = ctrl.progress or got == 1
+            if got != 1:  # in the next cycle, as requests
+                tensors, inplace, names, _, _ = lst.contents()
+                _handoff(ctrl, lst, tensors, inplace, names, op, post, tl)
+            return
         if tl is None:
             got = lst.run(None if ctrl.size == 1 else ctrl.backend, ctrl.agreed_flag, OPS[op],
                           _post_scale(ctrl, op, post), ctrl.fusion_threshold, ALONE_BYTES, AGREE_BYTES)

@@ -44,7 +44,7 @@ DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 
 SLOTS = 64  # requests a member announces per cycle (more go in the next, at once)
 FIELDS = 8  # int64 per record
-HEADER = 2  # count, flags
+HEADER = 3  # count, flags, the key of the pending list the member runs in this cycle (agreed.flush)
 
 
 _HASHES: dict = {}  # names and signatures repeat every step: hash each once
@@ -209,6 +209,7 @@ class SetController(threading.Thread):
         self.failed: BaseException | None = None
         self.cycles = 0
         self.asleep = False  # this set's thread waits until told (_loop)
+        self.list_agreed = False  # every member announced the same pending list's key (_negotiate)
         # Horovod's stall inspector: a warning on the set's rank 0, and optionally a shutdown
         self.stall_check = _env_seconds("HOROVOD_STALL_CHECK_DISABLE", 0) <= 0
         self.stall_warn = _env_seconds("HOROVOD_STALL_CHECK_TIME_SECONDS", 60)
@@ -282,8 +283,10 @@ class SetController(threading.Thread):
 
     def _reopen(self) -> None:
         """Whether asynchronous allreduces may be held now (agreed.defer): the set is idle (nothing
-        queued, announced or joining) and its agreed op known. Called with the cond held."""
-        self.held.accepting = ((self.agreed_ok or self.size == 1) and self.failed is None and not self.stopping
+        queued, announced or joining) and its first cycle told whether it has the agreed op (its
+        lists then agree through that op, else through the negotiation's message). Called with
+        the cond held."""
+        self.held.accepting = ((self.agreed_ok is not None or self.size == 1) and self.failed is None and not self.stopping
                                and TIMELINE[0] is None
                                and not (self.queue or self.mine or self.table or self.join_req is not None
                                         or self.joined))
@@ -430,15 +433,18 @@ class SetController(threading.Thread):
                 return True, False
         return self._negotiate(batch, more, tl, joining)
 
-    def _negotiate(self, batch: list[Request], more: bool, tl, joining: bool) -> tuple[bool, bool]:
+    def _negotiate(self, batch: list[Request], more: bool, tl, joining: bool, list_key: int = 0) -> tuple[bool, bool]:
         """The cycle's negotiation: announce `batch`, gather every member's announcements, run
-        what is ready. Returns (progress, some member has more queued)."""
+        what is ready. Returns (progress, some member has more queued). `list_key`: the key of
+        the pending list this member runs in the cycle (a set across hosts, agreed.flush);
+        `list_agreed` then says whether every member announced the same."""
         recs = [r.record() for r in batch]
         if joining:
             recs.append(self.join_req.record())
         m = self.msg_arr
         m[0] = len(recs)
         m[1] = (2 if more else 0) | (4 if self.stalled else 0)
+        m[2] = list_key
         if recs:
             m[HEADER:HEADER + len(recs) * FIELDS] = array("q", [x for rec in recs for x in rec])
         if self.size > 1:
@@ -449,6 +455,7 @@ class SetController(threading.Thread):
         width = self.width
         announced = 0
         flags = []
+        self.list_agreed = list_key != 0 and all(g[member * width + 2] == list_key for member in range(self.size))
         for member in range(self.size):
             base = member * width
             n = g[base]

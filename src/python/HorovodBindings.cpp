@@ -88,19 +88,25 @@ std::vector<Chunk> plan(const std::vector<at::Tensor>& tensors, int64_t fuseByte
 
 }  // namespace
 
+uint64_t hvdKeyOfTensors(uint64_t key, const std::vector<at::Tensor>& tensors) {
+  uint64_t h = key;
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !hvdOfferable(t.scalar_type()) ||
+        !t.is_contiguous())
+      return 0;
+    h = mix(mix(h, static_cast<uint64_t>(t.scalar_type())), static_cast<uint64_t>(t.dim()));
+    for (int64_t s : t.sizes()) h = mix(h, static_cast<uint64_t>(s));
+  }
+  return h ? h : 1;  // 0 means "no offer"
+}
+
 int hvdAgreedMany(myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors, const std::vector<bool>& inplace,
                   at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op, double scale, int64_t fuseBytes,
                   int64_t aloneBytes, int64_t agreeBytes, std::vector<at::Tensor>& out) {
   if (tensors.empty() || inplace.size() != tensors.size()) return -1;
-  uint64_t h = static_cast<uint64_t>(key);
-  for (const auto& t : tensors) {
-    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !hvdOfferable(t.scalar_type()) ||
-        !t.is_contiguous())
-      return -1;
-    h = mix(mix(h, static_cast<uint64_t>(t.scalar_type())), static_cast<uint64_t>(t.dim()));
-    for (int64_t s : t.sizes()) h = mix(h, static_cast<uint64_t>(s));
-  }
-  if (h == 0) h = 1;  // 0 means "no offer"
+  const uint64_t h = hvdKeyOfTensors(static_cast<uint64_t>(key), tensors);
+  if (h == 0) return -1;
+  const bool agreeHere = agreeBytes >= 0;  // else the ranks agreed already: plain all_reduces only
   out.assign(tensors.size(), at::Tensor());
   bool ok = true;
   {
@@ -108,12 +114,12 @@ int hvdAgreedMany(myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors
     // The carrier of the agreement (the first chunk small enough) runs first, then the plan's order.
     const auto carrier = std::find_if(chunks.begin(), chunks.end(),
                                       [&](const Chunk& ch) { return ch.bytes <= agreeBytes; });
-    const bool carried = carrier != chunks.end();
+    const bool carried = agreeHere && carrier != chunks.end();
     std::vector<size_t> order;
     if (carried) order.push_back(static_cast<size_t>(carrier - chunks.begin()));
     for (size_t c = 0; c < chunks.size(); ++c)
       if (!carried || c != order[0]) order.push_back(c);
-    if (b != nullptr && !carried) {
+    if (b != nullptr && agreeHere && !carried) {
       at::Tensor probe = at::zeros({1}, at::kFloat);
       ok = agreedWait(*b, probe, agreed, static_cast<int64_t>(h), op);
     }

@@ -278,12 +278,13 @@ void bindHorovodHeld(py::module& m) {
       // Runs a taken list as one agreed step (the key of its names, op and postscale riding on
       // it; hvdAgreedMany): 1 done, 0 the ranks' lists differed (nothing written), -1 a tensor
       // it cannot offer, -2 one tensor the agreed op carries itself (the caller offers it with the
-      // key a queued cycle would: agreed.run_list). No backend: a set of one, nothing reduced.
+      // key a queued cycle would: agreed.run_list). No backend: a set of one, nothing reduced. A
+      // negative `agree_bytes`: the ranks agreed already (key), every buffer a plain all_reduce.
       .def(
           "run",
           [](HeldList& l, myccl::MycclBackend* b, at::Tensor& agreed, const c10d::ReduceOp& op, double scale,
              int64_t fuseBytes, int64_t aloneBytes, int64_t agreeBytes) {
-            if (l.tensors.size() == 1 && l.bytes <= agreeBytes) return -2;
+            if (l.tensors.size() == 1 && l.bytes <= agreeBytes) return -2;  // (never when agreed already)
             const int64_t key = b != nullptr ? static_cast<int64_t>(hvdKeyOfNames(l.names, l.op, l.post)) : 0;
             std::vector<at::Tensor> out;
             const int got = hvdAgreedMany(b, l.tensors, l.inplace, agreed, key, op, scale, fuseBytes, aloneBytes,
@@ -297,6 +298,13 @@ void bindHorovodHeld(py::module& m) {
             return got;
           },
           py::call_guard<py::gil_scoped_release>())
+      // The key of a taken list (its names, op, postscale, every dtype and shape), as a signed
+      // 64-bit number: what a member announces when the list's agreement rides on the
+      // negotiation (sets across hosts, agreed.flush).
+      .def("key",
+           [](const HeldList& l) {
+             return static_cast<int64_t>(hvdKeyOfTensors(hvdKeyOfNames(l.names, l.op, l.post), l.tensors));
+           })
       .def("complete",
            [](HeldList& l, std::vector<at::Tensor> results) {
              if (results.size() != l.tensors.size())
