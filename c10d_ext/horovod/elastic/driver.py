@@ -167,6 +167,7 @@ class ElasticDriver:
         self.error = None  # (message, exit code) that stopped the job
         self.store = self.port = self.addr = None
         self.next_id = 0
+        self.said_no_join = False
 
     # ---- hosts -----------------------------------------------------------------------------
     def _state(self, host) -> HostState:
@@ -346,6 +347,14 @@ class ElasticDriver:
 
     def _grow(self, count: int, now: float) -> None:
         """New workers (joiners) on free slots, up to --max-np."""
+        from . import join
+
+        if not join._can_reconfigure():  # a joiner would only fail (and blacklist its host)
+            if self._free_slots(now) and not self.said_no_join:
+                self.said_no_join = True
+                print("WARNING: new slots were discovered, but workers join a running job through torch's "
+                      "reconfigure API (torch 2.14 or newer); none is started", file=sys.stderr, flush=True)
+            return
         for host, slot in self._free_slots(now):
             if self.max_np is not None and count >= self.max_np:
                 return
