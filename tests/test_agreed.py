@@ -444,6 +444,40 @@ def test_hvd_async_allreduce_completes_without_synchronize(run, size):
         assert out["value"] == sum(value(q, torch.float32, salt=4) for q in range(size)).tolist(), (r, out)
 
 
+def body_hvd_untimed_list_while_idle(ctx):
+    import time
+
+    from test_horovod import stop, value
+
+    from c10d_ext.horovod import agreed, mpi_ops
+
+    hvd, _ = _warm_start(ctx)
+    r = hvd.rank()
+    # The set's thread runs one list itself (it is awake, its last cycle just now) ...
+    h = hvd.allreduce_async(value(r, torch.float32, salt=1), name="timed", op=hvd.Sum)
+    while not hvd.poll(h):
+        time.sleep(0.001)
+    out = {"timed": hvd.synchronize(h).tolist()}
+    # ... then a list of untimed ops (DistributedOptimizer's) stays open past the thread's awake
+    # time: the thread must go to sleep, not loop holding the set's lock, or this synchronize hangs.
+    h = mpi_ops._allreduce_async(value(r, torch.float32, salt=2), None, "untimed", hvd.Sum, 1.0, 1.0,
+                                 hvd.global_process_set, timed=False)
+    time.sleep(agreed.AWAKE_SECONDS + 0.5)
+    out["untimed"] = hvd.synchronize(h).tolist()
+    stop(hvd)
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_hvd_untimed_list_open_while_the_sets_thread_idles(run, size):
+    from test_horovod import value
+
+    res = run(size, body_hvd_untimed_list_while_idle, timeout=60)
+    for r, out in enumerate(res):
+        for key, salt in (("timed", 1), ("untimed", 2)):
+            assert out[key] == sum(value(q, torch.float32, salt=salt) for q in range(size)).tolist(), (r, key, out)
+
+
 def _opt_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)).double()

@@ -319,7 +319,7 @@ class SetController(threading.Thread):
                         self.cond.wait(agreed.PENDING_IDLE * self.cycle_time)
                         continue
                     self.asleep = True
-                    if not self.held.has_open:  # (a list that began before this line was not told)
+                    if agreed.pending_due(self) == math.inf:  # (a timed list begun before this line was not told)
                         self.cond.wait()
                     self.asleep = False
                 if self.stopping or self.failed:
