@@ -273,7 +273,7 @@ def defer(ctrl, tensors: list, inplace: bool, names: tuple, op: int, post: float
 
 
 def added(ctrl, code: int):
-    """The handle number of what _HeldSet.add / add1 answered (None: not held), waking the set's
+    """The handle number of what _HeldSet.add / _hvd_hold answered (None: not held), waking the set's
     thread when the list wants timing or was sealed."""
     if code > 0:
         if code & 2 or (code & 1 and ctrl.asleep):  # sealed, or a list to time and nobody looks
@@ -320,13 +320,7 @@ def flush(ctrl, lst) -> None:
             if ctrl.list_agreed:
                 got = lst.run(ctrl.backend, ctrl.agreed_flag, OPS[op], _post_scale(ctrl, op, post),
                               ctrl.fusion_threshold, ALONE_BYTES, -1)
-            _cycled(ctrl)
-            ctrl.progress = ctrl.progress or got == 1
-            if got != 1:  # in the next cycle, as requests
-                tensors, inplace, names, _, _ = lst.contents()
-                _handoff(ctrl, lst, tensors, inplace, names, op, post, tl)
-            return
-        if tl is None:
+        elif tl is None:
             got = lst.run(None if ctrl.size == 1 else ctrl.backend, ctrl.agreed_flag, OPS[op],
                           _post_scale(ctrl, op, post), ctrl.fusion_threshold, ALONE_BYTES, AGREE_BYTES)
             if got == -2:  # one small tensor: offered with the key a queued cycle offers
@@ -335,17 +329,19 @@ def flush(ctrl, lst) -> None:
                 got = -1 if out is None else 1 if out else 0
                 if got == 1:
                     lst.complete(out)
+            if got == 1:
+                ctrl.others_more = False  # (across hosts the negotiation said)
         if got < 0 and ctrl.agreed_ok:  # nothing ran: the cycle still opens with the agreed op
             offer(ctrl, None)
     except BaseException as e:  # noqa: BLE001 - the set failed: every waiter must hear of it
         lst.fail(str(ctrl.fail_with(e)))
         return
     _cycled(ctrl)
-    if got != 1:
+    if got != 1:  # on into this cycle's negotiation (across hosts: the next one), as requests
         tensors, inplace, names, _, _ = lst.contents()
         _handoff(ctrl, lst, tensors, inplace, names, op, post, tl)
         return
-    ctrl.progress, ctrl.others_more = True, False
+    ctrl.progress = True
 
 
 def _handoff(ctrl, lst, tensors, inplace, names, op, post, tl) -> None:

@@ -109,72 +109,70 @@ int hvdAgreedMany(myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors
   const bool agreeHere = agreeBytes >= 0;  // else the ranks agreed already: plain all_reduces only
   out.assign(tensors.size(), at::Tensor());
   bool ok = true;
-  {
-    const auto chunks = plan(tensors, fuseBytes, aloneBytes);
-    // The carrier of the agreement (the first chunk small enough) runs first, then the plan's order.
-    const auto carrier = std::find_if(chunks.begin(), chunks.end(),
-                                      [&](const Chunk& ch) { return ch.bytes <= agreeBytes; });
-    const bool carried = agreeHere && carrier != chunks.end();
-    std::vector<size_t> order;
-    if (carried) order.push_back(static_cast<size_t>(carrier - chunks.begin()));
-    for (size_t c = 0; c < chunks.size(); ++c)
-      if (!carried || c != order[0]) order.push_back(c);
-    if (b != nullptr && agreeHere && !carried) {
-      at::Tensor probe = at::zeros({1}, at::kFloat);
-      ok = agreedWait(*b, probe, agreed, static_cast<int64_t>(h), op);
-    }
-    for (size_t k = 0; k < order.size() && ok; ++k) {
-      const size_t c = order[k];
-      const Chunk& ch = chunks[c];
-      const bool alone = ch.members.size() == 1 && !ch.fused;
-      const at::Tensor& first = tensors[ch.members[0]];
-      at::Tensor buf;
-      if (alone)
-        buf = inplace[ch.members[0]] ? first : first.clone();
-      else
-        buf = at::empty({ch.numel}, first.options());
-      char* base = static_cast<char*>(buf.data_ptr());
-      const size_t item = buf.element_size();
-      if (!alone) {
-        size_t off = 0;
-        for (size_t i : ch.members) {
-          const size_t n = tensors[i].numel() * item;
-          if (n) std::memcpy(base + off, tensors[i].data_ptr(), n);
-          off += n;
-        }
-      }
-      if (b != nullptr) {
-        if (k == 0 && carried) {
-          ok = agreedWait(*b, buf, agreed, static_cast<int64_t>(h), op);
-          if (!ok) break;
-        } else {
-          std::vector<at::Tensor> one{buf};
-          c10d::AllreduceOptions opts;
-          opts.reduceOp = op;
-          opts.asyncOp = false;
-          b->allreduce(one, opts)->wait();
-        }
-      }
-      if (scale != 1.0) {
-        if (at::isFloatingType(buf.scalar_type()))
-          buf.mul_(scale);
-        else
-          buf.copy_((buf.to(at::kDouble) * scale).trunc());
-      }
-      if (alone) {
-        out[ch.members[0]] = buf;
-        continue;
-      }
+  const auto chunks = plan(tensors, fuseBytes, aloneBytes);
+  // The carrier of the agreement (the first chunk small enough) runs first, then the plan's order.
+  const auto carrier = std::find_if(chunks.begin(), chunks.end(),
+                                    [&](const Chunk& ch) { return ch.bytes <= agreeBytes; });
+  const bool carried = agreeHere && carrier != chunks.end();
+  std::vector<size_t> order;
+  if (carried) order.push_back(static_cast<size_t>(carrier - chunks.begin()));
+  for (size_t c = 0; c < chunks.size(); ++c)
+    if (!carried || c != order[0]) order.push_back(c);
+  if (b != nullptr && agreeHere && !carried) {
+    at::Tensor probe = at::zeros({1}, at::kFloat);
+    ok = agreedWait(*b, probe, agreed, static_cast<int64_t>(h), op);
+  }
+  for (size_t k = 0; k < order.size() && ok; ++k) {
+    const size_t c = order[k];
+    const Chunk& ch = chunks[c];
+    const bool alone = ch.members.size() == 1 && !ch.fused;
+    const at::Tensor& first = tensors[ch.members[0]];
+    at::Tensor buf;
+    if (alone)
+      buf = inplace[ch.members[0]] ? first : first.clone();
+    else
+      buf = at::empty({ch.numel}, first.options());
+    char* base = static_cast<char*>(buf.data_ptr());
+    const size_t item = buf.element_size();
+    if (!alone) {
       size_t off = 0;
       for (size_t i : ch.members) {
-        const at::Tensor& t = tensors[i];
-        // (empty_cpu: the allocation without the dispatcher, a third of this loop's time)
-        at::Tensor dst = inplace[i] ? t : at::Tensor(at::detail::empty_cpu(t.sizes(), t.scalar_type()));
-        const size_t n = t.numel() * item;
-        if (n) std::memcpy(dst.data_ptr(), base + off, n);
+        const size_t n = tensors[i].numel() * item;
+        if (n) std::memcpy(base + off, tensors[i].data_ptr(), n);
         off += n;
-        out[i] = std::move(dst);
       }
+    }
+    if (b != nullptr) {
+      if (k == 0 && carried) {
+        ok = agreedWait(*b, buf, agreed, static_cast<int64_t>(h), op);
+        if (!ok) break;
+      } else {
+        std::vector<at::Tensor> one{buf};
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = op;
+        opts.asyncOp = false;
+        b->allreduce(one, opts)->wait();
+      }
+    }
+    if (scale != 1.0) {
+      if (at::isFloatingType(buf.scalar_type()))
+        buf.mul_(scale);
+      else
+        buf.copy_((buf.to(at::kDouble) * scale).trunc());
+    }
+    if (alone) {
+      out[ch.members[0]] = buf;
+      continue;
+    }
+    size_t off = 0;
+    for (size_t i : ch.members) {
+      const at::Tensor& t = tensors[i];
+      // (empty_cpu: the allocation without a trip through the dispatcher per tensor)
+      at::Tensor dst = inplace[i] ? t : at::Tensor(at::detail::empty_cpu(t.sizes(), t.scalar_type()));
+      const size_t n = t.numel() * item;
+      if (n) std::memcpy(dst.data_ptr(), base + off, n);
+      off += n;
+      out[i] = std::move(dst);
     }
   }
   return ok ? 1 : 0;

@@ -4,7 +4,7 @@
 // `synchronize` one more. What runs a list (the agreed step, or the negotiation when the ranks'
 // lists differ) stays in Python; a list only holds the ops and, once run, their results.
 //
-// One mutex guards every set, list and handle: each call holds it for a few hundred nanoseconds,
+// One mutex guards every set, list and handle: each call holds it only for its bookkeeping,
 // and never while it makes or drops a Python object (an allocation may run the garbage collector,
 // whose finalizers may switch threads, and the next thread's call would wait on the mutex while
 // holding the GIL that this one needs).
@@ -148,9 +148,11 @@ void finishNames(HeldList& l) {
   gCv.notify_all();
 }
 
-// add1's work: the op's handle and flags, 0 when not held, -1 for a held name (see add1).
+// One allreduce of one tensor (allreduce_async / allreduce_async_, a timed op): its handle and
+// flags (join above), 0 when the set does not hold it now or the tensor is not one it holds (the
+// op goes the general way, which also gives Horovod's errors), -1 when its name is held.
 int64_t addOne(const std::shared_ptr<HeldSet>& sp, const at::Tensor& tensor, PyObject* name, bool inplace,
-               int64_t op, double post, bool timed) {
+               int64_t op, double post) {
   if (!holdable(tensor)) return 0;
   const bool named = PyObject_IsTrue(name) == 1;
   std::string nm = named ? "allreduce." + py::str(name).cast<std::string>() : std::string();
@@ -161,13 +163,13 @@ int64_t addOne(const std::shared_ptr<HeldSet>& sp, const at::Tensor& tensor, PyO
   if (sp->names.count(nm)) return -1;
   std::vector<at::Tensor> ts{tensor};
   std::vector<std::string> ns{std::move(nm)};
-  return join(sp, std::move(ts), std::move(ns), inplace, op, post, timed, true, h);
+  return join(sp, std::move(ts), std::move(ns), inplace, op, post, /*timed=*/true, /*single=*/true, h);
 }
 
 // The two calls an allreduce_async and its synchronize cost, as plain CPython functions (a
 // pybind11 call costs as much again as their work).
 //
-// _hvd_hold(set_id, tensor, name, inplace, op, postscale) -> add1's answer for the set of that
+// _hvd_hold(set_id, tensor, name, inplace, op, postscale) -> addOne's answer for the set of that
 // id (0 for a set this process runs no thread of, or any argument of another type).
 PyObject* holdOne(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (n != 6 || !PyLong_Check(args[0]) || !THPVariable_Check(args[1]) || !PyLong_Check(args[4]) ||
@@ -188,7 +190,7 @@ PyObject* holdOne(PyObject*, PyObject* const* args, Py_ssize_t n) {
     sp = it->second;
   }
   try {
-    return PyLong_FromLongLong(addOne(sp, THPVariable_Unpack(args[1]), args[2], args[3] == Py_True, op, post, true));
+    return PyLong_FromLongLong(addOne(sp, THPVariable_Unpack(args[1]), args[2], args[3] == Py_True, op, post));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -366,13 +368,8 @@ void bindHorovodHeld(py::module& m) {
             std::lock_guard<std::mutex> g(gMu);
             s.accepting = v;
           })
-      // One allreduce of one tensor (allreduce_async / allreduce_async_): its handle and flags
-      // (join above), 0 when the set does not hold it now or the tensor is not one it holds (the
-      // op goes the general way, which also gives Horovod's errors), -1 when its name is held.
-      .def("add1",
-           [](const std::shared_ptr<HeldSet>& sp, const at::Tensor& tensor, const py::object& name, bool inplace,
-              int64_t op, double post, bool timed) { return addOne(sp, tensor, name.ptr(), inplace, op, post, timed); })
-      // Any allreduce the caller named (each tensor's full name); as add1.
+      // Any allreduce (agreed.defer), each tensor's full name given: as addOne, `timed` False for
+      // ops whose caller always waits on them (DistributedOptimizer's).
       .def("add",
            [](const std::shared_ptr<HeldSet>& sp, std::vector<at::Tensor> tensors, std::vector<std::string> names,
               bool inplace, int64_t op, double post, bool timed, bool single) -> int64_t {

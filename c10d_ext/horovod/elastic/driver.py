@@ -41,6 +41,10 @@ import threading
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
+from ..run_args import parse_hosts, set_env_from_args
+
 DISCOVER_HOSTS_FREQUENCY_SECS = 1.0
 ELASTIC_TIMEOUT_SECS = 600
 COOLDOWN_LIMITS = (1, 3600)  # Horovod's bounds for --blacklist-cooldown-range
@@ -101,8 +105,6 @@ def parse_discovery_output(text: str, default_slots) -> dict:
 
 def discover(args) -> dict:
     if args.host_discovery_script is None:
-        from ..run_args import parse_hosts
-
         return dict(parse_hosts(args.hosts))
     res = subprocess.run(args.host_discovery_script, shell=True, stdout=subprocess.PIPE, timeout=60)
     if res.returncode != 0:
@@ -140,14 +142,12 @@ def _driver_addr(hosts, local) -> str:
 
 class ElasticDriver:
     def __init__(self, args, environ=None):
-        from ..run_args import set_env_from_args
-
         if args.cooldown_range:
             check_cooldown_range(args.cooldown_range)
         if args.host_discovery_script is None:
             if not args.hosts:
                 raise ValueError("One of --host-discovery-script, --hosts, or --hostnames must be provided")
-            if len(dict(_parse_fixed(args.hosts))) < 2:
+            if len(dict(parse_hosts(args.hosts))) < 2:
                 raise ValueError("Cannot run in fault tolerance mode with fewer than 2 hosts.")
         self.args = args
         self.min_np = args.min_num_proc or args.num_proc
@@ -242,7 +242,7 @@ class ElasticDriver:
         """The ids of the joiners the job has admitted (join.py writes who registered)."""
         from . import join
 
-        store = _prefixed(self.store, join.PREFIX)
+        store = dist.PrefixStore(join.PREFIX, self.store)
         out = set()
         for j in range(1, store.add("admitted", 0) + 1):
             if store.check([f"who/{j}"]):
@@ -251,8 +251,6 @@ class ElasticDriver:
 
     # ---- the job ---------------------------------------------------------------------------
     def run(self) -> int:
-        import torch.distributed as dist
-
         from .. import run as R
 
         now = time.monotonic()
@@ -298,7 +296,7 @@ class ElasticDriver:
             for w in self.workers:
                 if w.code is None and w.proc.poll() is not None:
                     self._ended(w, now)
-            admitted = self._admitted()
+            admitted = self._admitted() if any(w.joiner for w in self.workers) else set()  # (store I/O)
             # in the job: every worker started as a rank, and the joiners it admitted
             running = [w for w in self.workers if w.code is None and (not w.joiner or w.wid in admitted)]
             waiting = [w for w in self.workers if w.code is None and w.joiner and w.wid not in admitted]
@@ -372,7 +370,7 @@ class ElasticDriver:
             if last is None or t - last > CHANGE_WINDOW_S:
                 losses += 1
             last = t
-        if losses + _prefixed(self.store, join.PREFIX).add("generation", 0) > limit:
+        if losses + dist.PrefixStore(join.PREFIX, self.store).add("generation", 0) > limit:
             self.error = (RESET_LIMIT_EXCEEDED_MESSAGE.format(limit), 1)
 
     def _stop(self) -> int:
@@ -391,18 +389,6 @@ class ElasticDriver:
     def _failure_message(w: Worker) -> str:
         return ("Horovod detected that one or more processes exited with non-zero status, thus causing the job to "
                 f"be terminated. The first process to do so was:\nProcess name: {w.name}\nExit code: {w.code}\n")
-
-
-def _parse_fixed(hosts: str):
-    from ..run_args import parse_hosts
-
-    return parse_hosts(hosts)
-
-
-def _prefixed(store, prefix):
-    import torch.distributed as dist
-
-    return dist.PrefixStore(prefix, store)
 
 
 def launch_elastic(args, environ=None) -> int:
