@@ -8,8 +8,10 @@ its background threads issue can never interleave with the ones the script issue
 * torchrun / torch.distributed.run: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``;
 * horovodrun's variables: ``HOROVOD_RANK``, ``HOROVOD_SIZE`` and the rendezvous
   ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` / ``_PORT`` (rank 0 serves a TCPStore there);
-* mpirun: ``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` or ``PMI_RANK`` / ``PMI_SIZE``, with the rendezvous
-  from ``MASTER_ADDR`` / ``MASTER_PORT`` or the ``HOROVOD_GLOO_RENDEZVOUS_*`` pair;
+* mpirun and srun: ``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` (Open MPI), ``MV2_COMM_WORLD_RANK`` / ``_SIZE``
+  (MVAPICH), ``PMI_RANK`` / ``PMI_SIZE`` (MPICH, Intel MPI), ``PMIX_RANK`` (PMIx), ``SLURM_PROCID`` /
+  ``SLURM_NTASKS`` (a task of an srun step), with the rendezvous from the ``HOROVOD_GLOO_RENDEZVOUS_*``
+  pair, ``MASTER_ADDR`` / ``MASTER_PORT``, or Slurm's job (launch_env.py);
 * nothing: one process, as Horovod runs without a launcher.
 
 After a collective failed because a rank was lost, ``shutdown(); init()`` (what elastic training
@@ -27,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import launch_env
 from .exceptions import NOT_INITIALIZED, HorovodInternalError
 
 
@@ -62,18 +65,8 @@ class _State:
 STATE = _State()
 
 
-def _env_int(*names: str) -> int | None:
-    for n in names:
-        v = os.environ.get(n)
-        if v not in (None, ""):
-            return int(v)
-    return None
-
-
 def _rendezvous() -> tuple[str | None, int | None]:
-    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or os.environ.get("MASTER_ADDR")
-    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT") or os.environ.get("MASTER_PORT")
-    return addr, (int(port) if port not in (None, "", "-1") else None)
+    return launch_env.rendezvous(os.environ)
 
 
 def _timeout() -> timedelta:
@@ -98,19 +91,15 @@ def _make_default_group() -> None:
         dist.init_process_group("myccl")  # torchrun's env://
         s.job_store = _raw_store(dist.distributed_c10d._get_default_store())
         return
-    rank = _env_int("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-    size = _env_int("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-    if rank is None or size is None or size == 1:
+    launch = launch_env.detect(os.environ)
+    if launch is None or launch.size == 1:
         store = dist.HashStore()
         dist.init_process_group("myccl", store=store, rank=0, world_size=1)
         return
+    rank, size = launch.rank, launch.size
     addr, port = _rendezvous()
     if not addr or port is None:
-        raise ValueError(
-            "Horovod initialization failed: rank and size came from the launcher's variables "
-            f"(rank {rank} of {size}) but no rendezvous address: set HOROVOD_GLOO_RENDEZVOUS_ADDR "
-            "and HOROVOD_GLOO_RENDEZVOUS_PORT (or MASTER_ADDR and MASTER_PORT)."
-        )
+        raise ValueError(launch_env.no_rendezvous_message(launch))
     store = dist.TCPStore(addr, port, size, is_master=(rank == 0), timeout=_timeout())
     dist.init_process_group("myccl", store=store, rank=rank, world_size=size)
     s.job_store = store
