@@ -250,3 +250,42 @@ def test_without_a_rendezvous_every_rank_raises_a_clear_error(tmp_path, launcher
         line = next(ln for ln in out.splitlines() if ln.startswith("INIT-ERROR "))
         for part in (launcher, f"rank {r} of 2", "set MASTER_ADDR and MASTER_PORT (or HOROVOD_GLOO_RENDEZVOUS_ADDR/_PORT)"):
             assert part in line, line
+
+
+# ==================================================================================== the launcher
+PRINT_ENV = """
+import json, os, sys
+names = {names!r}
+with open(os.path.join(sys.argv[1], os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({{n: os.environ.get(n) for n in names}}, f)
+"""
+HOROVODRUN_VARS = ("HOROVOD_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                   "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "MYCCL_HVD_SLOTS")
+
+
+@pytest.mark.parametrize("mode", [[], ["--min-np", "3"]], ids=["static", "elastic"])
+def test_the_launcher_gives_every_worker_horovodruns_variables(tmp_path, mode):
+    """-np 3 on two hosts (both this machine; one torch agent each, or the elastic driver's own
+    workers): every worker sees horovodrun's variables with Horovod's meanings. The cross rank is
+    the host's index among the hosts that have a worker with this local rank: local rank 0 is on
+    both hosts, 1 only on the first."""
+    script = tmp_path / "env.py"
+    script.write_text(PRINT_ENV.format(names=HOROVODRUN_VARS))
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [sys.executable, "-m", "c10d_ext.horovod.run", "-np", "3", *mode, "-H", "localhost:2,127.0.0.1:1",
+            sys.executable, str(script), str(out)]
+    try:
+        proc = subprocess.run(argv, env=clean_env({}), cwd=str(tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the launched job did not finish:\n{(e.output or b'').decode(errors='replace')[-4000:]}")
+    assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-4000:]
+    #        host         rank size local_rank local_size cross_rank cross_size
+    want = [("localhost", 0, 3, 0, 2, 0, 2),
+            ("localhost", 1, 3, 1, 2, 0, 1),
+            ("127.0.0.1", 2, 3, 0, 1, 1, 2)]
+    for row in want:
+        got = json.loads((out / f"{row[1]}.json").read_text())
+        expect = dict(zip(HOROVODRUN_VARS, [str(v) for v in row] + [None]))  # the rank table stays with the wrapper
+        assert got == expect, (got, expect)

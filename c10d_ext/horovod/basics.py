@@ -210,6 +210,9 @@ def init(comm=None, process_sets=None) -> None:
         s.group = dist.new_group(ranks, backend="myccl", use_local_synchronization=local)
         s.admin = dist.new_group(ranks, backend="myccl", use_local_synchronization=local)
         _topology(s.admin, ranks)
+        if os.environ.get("HOROVOD_ELASTIC") == "1":
+            launch_env.export_topology(os.environ, s.rank, s.size, s.local_rank, s.local_size, s.cross_rank,
+                                       s.cross_size)
         s.initialized = True
         ps_mod._init_sets(process_sets)
         controller.start_all()

@@ -203,3 +203,15 @@ def no_rendezvous_message(launch: Launch) -> str:
             "found: set MASTER_ADDR and MASTER_PORT (or HOROVOD_GLOO_RENDEZVOUS_ADDR/_PORT) to a host and free "
             "port where rank 0 can serve the job's store (under Slurm, SLURM_JOB_NODELIST and SLURM_JOB_ID "
             "give them when set).")
+
+
+# ----------------------------------------------------------------------------------- topology
+TOPOLOGY_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                 "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+
+
+def export_topology(env, rank, size, local_rank, local_size, cross_rank, cross_size) -> None:
+    """horovodrun's variables for this process's place in the world as it is now: an elastic
+    worker's environment says it after every reset, as Horovod's own workers' does."""
+    for name, value in zip(TOPOLOGY_VARS, (rank, size, local_rank, local_size, cross_rank, cross_size)):
+        env[name] = str(value)

@@ -6,7 +6,10 @@ horovodrun's (0.28.1) flags; the same worker environment (HOROVOD_FUSION_THRESHO
 to hosts as horovodrun assigns them (host by host, filling slots; exactly -np ranks). Each host
 with ranks runs one ``torch.distributed.run`` (static rendezvous: --nnodes, --node-rank,
 --nproc-per-node, the first host as --master-addr, a free --master-port), which gives the workers
-RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT. This machine's hosts run as children; others
+RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT. Each worker also gets horovodrun's HOROVOD_RANK,
+_SIZE, _LOCAL_RANK, _LOCAL_SIZE, _CROSS_RANK, _CROSS_SIZE and HOROVOD_HOSTNAME (its -H name): the
+launcher hands each host's agent its rows of the rank table, and the worker wrapper picks its row by
+LOCAL_RANK (checked against RANK) before it starts the command. This machine's hosts run as children; others
 through ``ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=no [-p PORT] [-i FILE] HOST CMD``
 or the prefix in MYCCL_HVD_RSH (shell words, ``{host}`` replaced; a word ``{command}`` gets the
 command line as one argument, else ``/bin/sh -c <command line>`` is appended), e.g.
@@ -121,13 +124,40 @@ def remote_argv(host: str, command_line: str, ssh_port=None, ssh_identity_file=N
 
 HostLaunch = collections.namedtuple("HostLaunch", "host node_rank nproc ranks local argv env")
 
+# The rank table of one host's workers, for its agent's worker wrapper: torch's agent knows each
+# worker's RANK and LOCAL_RANK, and horovodrun also gives HOROVOD_LOCAL_SIZE and the cross ranks.
+SLOTS_ENV = "MYCCL_HVD_SLOTS"
+SLOT_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+             "HOROVOD_CROSS_SIZE")
+
+
+def encode_slots(host_slots) -> str:
+    """'rank,size,local_rank,local_size,cross_rank,cross_size' per worker of a host, ';' between."""
+    return ";".join(",".join(str(v) for v in (s.rank, s.size, s.local_rank, s.local_size, s.cross_rank,
+                                               s.cross_size)) for s in host_slots)
+
+
+def slot_env(env) -> dict:
+    """horovodrun's per-worker variables for the worker whose torch agent variables are in `env`
+    (its position on the host is LOCAL_RANK); {} without a rank table."""
+    table = env.get(SLOTS_ENV)
+    if not table:
+        return {}
+    rows = [row.split(",") for row in table.split(";")]
+    local = int(env.get("LOCAL_RANK", "0"))
+    row = dict(zip(SLOT_VARS, rows[local]))
+    if env.get("RANK") is not None and env["RANK"] != row["HOROVOD_RANK"]:
+        raise RuntimeError(f"horovodrun's rank table gives local worker {local} rank {row['HOROVOD_RANK']}, "
+                           f"but torch's agent gave it RANK={env['RANK']}")
+    return row
+
 
 def plan_launch(args, environ=None) -> list:
     """One HostLaunch per host that gets ranks: its torch.distributed.run (through --_agent)."""
     environ = dict(os.environ if environ is None else environ)
     slots = get_host_assignments(parse_hosts(args.hosts), args.num_proc, args.num_proc)
     # one torchrun "node" per -H entry that gets ranks (torch numbers ranks node after node as well)
-    groups = [(h, [s.rank for s in g]) for h, g in itertools.groupby(slots, key=lambda s: s.hostname)]
+    groups = [(h, list(g)) for h, g in itertools.groupby(slots, key=lambda s: s.hostname)]
     names = [h for h, _ in groups]
     local = [is_local_host(h) for h in names]
     master = _master_addr(names, local)
@@ -138,12 +168,14 @@ def plan_launch(args, environ=None) -> list:
     base["PYTHONUNBUFFERED"] = "1"
     worker = [sys.executable, RUN_PY, "--_worker"] + (["--timestamp"] if args.prefix_output_with_timestamp else [])
     out = []
-    for node_rank, (host, ranks) in enumerate(groups):
+    for node_rank, (host, host_slots) in enumerate(groups):
+        ranks = [s.rank for s in host_slots]
         argv = [sys.executable, RUN_PY, "--_agent", "--nnodes", str(len(names)), "--node-rank", str(node_rank),
                 "--nproc-per-node", str(len(ranks)), "--master-addr", master, "--master-port", str(port),
                 "--rdzv-id", run_id, "--rdzv-conf", f"timeout={timeout}", "--max-restarts", "0",
                 "--no-python"] + worker + ["--"] + list(args.command)
         env = dict(base, HOROVOD_HOSTNAME=host)
+        env[SLOTS_ENV] = encode_slots(host_slots)
         out.append(HostLaunch(host, node_rank, len(ranks), ranks, local[node_rank], argv, env))
     return out
 
@@ -388,7 +420,9 @@ def _worker_main(argv) -> int:
     argv = argv[1:] if timestamp else argv
     argv = argv[1:] if argv and argv[0] == "--" else argv
     rank = (os.environ.get("MYCCL_HVD_TAG") or os.environ.get("RANK", "0")).encode()  # (elastic: its first rank)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = dict(os.environ, **slot_env(os.environ))
+    env.pop(SLOTS_ENV, None)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, lambda signum, frame: proc.poll() is None and proc.send_signal(signum))
     threads = [threading.Thread(target=_copy_tagged, args=(src.fileno(), dst, b"[" + rank + b"]<" + name + b">:",

@@ -43,7 +43,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..run_args import parse_hosts, set_env_from_args
+from ..run_args import get_host_assignments, parse_hosts, set_env_from_args
 
 DISCOVER_HOSTS_FREQUENCY_SECS = 1.0
 ELASTIC_TIMEOUT_SECS = 600
@@ -196,17 +196,22 @@ class ElasticDriver:
         self.hosts = found
 
     # ---- workers ---------------------------------------------------------------------------
-    def _start(self, host, slot, rank, size, local_size, joiner) -> None:
+    def _start(self, host, slot, rank, joiner, info=None) -> None:
+        """A worker on host[slot]: a rank of the first world (`info` its SlotInfo) or a joiner."""
         from .. import run as R
 
         self.next_id += 1
         w = Worker(host, slot, str(rank), f"w{self.next_id}", joiner)
         env = dict(self.env, MASTER_ADDR=self.addr, MASTER_PORT=str(self.port), HOROVOD_HOSTNAME=host,
                    MYCCL_HVD_TAG=w.tag, MYCCL_HVD_WORKER_ID=w.wid)
-        if joiner:
+        if joiner:  # its place is known once admitted (hvd.init then sets HOROVOD_RANK, ...)
             env["HOROVOD_ELASTIC_JOIN"] = "1"
         else:
-            env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(slot), LOCAL_WORLD_SIZE=str(local_size))
+            env.update(RANK=str(rank), WORLD_SIZE=str(info.size), LOCAL_RANK=str(slot),
+                       LOCAL_WORLD_SIZE=str(info.local_size), HOROVOD_RANK=str(info.rank),
+                       HOROVOD_SIZE=str(info.size), HOROVOD_LOCAL_RANK=str(info.local_rank),
+                       HOROVOD_LOCAL_SIZE=str(info.local_size), HOROVOD_CROSS_RANK=str(info.cross_rank),
+                       HOROVOD_CROSS_SIZE=str(info.cross_size))
         argv = [sys.executable, R.RUN_PY, "--_worker"] + (["--timestamp"] if self.args.prefix_output_with_timestamp
                                                           else []) + ["--"] + list(self.args.command)
         stdin = None
@@ -270,9 +275,10 @@ class ElasticDriver:
         self.port = self.store.port
         self.files = {} if self.args.output_filename else None
         free = self._free_slots(time.monotonic())[:self.max_np]
-        per_host = {h: sum(1 for x, _ in free if x == h) for h in names}
-        for rank, (host, slot) in enumerate(free):
-            self._start(host, slot, rank, len(free), per_host[host], joiner=False)
+        per_host = [(h, sum(1 for x, _ in free if x == h)) for h in names]
+        infos = get_host_assignments([(h, n) for h, n in per_host if n], len(free), len(free))
+        for rank, ((host, slot), info) in enumerate(zip(free, infos)):
+            self._start(host, slot, rank, joiner=False, info=info)
         try:
             return self._watch()
         finally:
@@ -356,7 +362,7 @@ class ElasticDriver:
         for host, slot in self._free_slots(now):
             if self.max_np is not None and count >= self.max_np:
                 return
-            self._start(host, slot, count, None, None, joiner=True)
+            self._start(host, slot, count, joiner=True)
             count += 1
 
     def _check_limits(self, running, now: float) -> None:
