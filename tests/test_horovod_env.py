@@ -289,3 +289,43 @@ def test_the_launcher_gives_every_worker_horovodruns_variables(tmp_path, mode):
         got = json.loads((out / f"{row[1]}.json").read_text())
         expect = dict(zip(HOROVODRUN_VARS, [str(v) for v in row] + [None]))  # the rank table stays with the wrapper
         assert got == expect, (got, expect)
+
+
+# ==================================================================================== ignored tuning
+WARN = """
+import json, warnings
+import c10d_ext.horovod as hvd
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    hvd.init()
+    hvd.shutdown()
+    hvd.init()  # a second init in the same process says nothing more
+    hvd.shutdown()
+print("WARNINGS " + json.dumps([str(w.message) for w in caught if "no effect" in str(w.message)]), flush=True)
+"""
+
+
+def _init_warnings(tmp_path, extra):
+    results = run_ranks(WARN, [clean_env(extra)], tmp_path)
+    assert results[0][0] == 0, _report(results)
+    return json.loads(next(ln for ln in results[0][1].splitlines() if ln.startswith("WARNINGS "))[9:])
+
+
+def test_one_warning_names_the_ignored_tuning_variables_that_are_set(tmp_path):
+    got = _init_warnings(tmp_path, {"HOROVOD_AUTOTUNE": "1", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+                                    "HOROVOD_FUSION_THRESHOLD": "1048576", "HOROVOD_CYCLE_TIME": "2"})
+    assert len(got) == 1, got
+    assert "HOROVOD_AUTOTUNE, HOROVOD_HIERARCHICAL_ALLREDUCE are set but have no effect" in got[0], got
+    assert "FUSION_THRESHOLD" not in got[0] and "CYCLE_TIME" not in got[0], got  # those are honoured
+
+
+def test_no_warning_without_ignored_tuning_variables(tmp_path):
+    assert _init_warnings(tmp_path, {"HOROVOD_FUSION_THRESHOLD": "1048576", "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "4096"}) == []
+
+
+def test_the_ignored_tuning_list():
+    env = {"HOROVOD_CCL_CACHE": "1", "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+           "HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_TORUS_ALLREDUCE": "", "HOROVOD_TIMELINE": "t.json",
+           "HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "8", "HOROVOD_RANK": "0"}
+    assert L.ignored_tuning(env) == ["HOROVOD_CACHE_CAPACITY", "HOROVOD_CCL_CACHE", "HOROVOD_CONTROLLER",
+                                     "HOROVOD_CPU_OPERATIONS"]

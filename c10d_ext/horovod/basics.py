@@ -160,6 +160,7 @@ def init(comm=None, process_sets=None) -> None:
     with s.lock:
         if s.initialized:
             return
+        launch_env.warn_ignored_tuning()
         if comm is not None and not isinstance(comm, (list, tuple)):
             if type(comm).__module__.startswith("mpi4py"):
                 raise ValueError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from typing import Mapping
 
 # Slurm's own step ids for the batch script, the allocation's interactive step, the extern step
@@ -203,6 +204,42 @@ def no_rendezvous_message(launch: Launch) -> str:
             "found: set MASTER_ADDR and MASTER_PORT (or HOROVOD_GLOO_RENDEZVOUS_ADDR/_PORT) to a host and free "
             "port where rank 0 can serve the job's store (under Slurm, SLURM_JOB_NODELIST and SLURM_JOB_ID "
             "give them when set).")
+
+
+# ----------------------------------------------------------------------------------- tuning
+# Horovod's tuning and library variables (horovod/common/common.h, operations.cc,
+# env_parser.cc) that this implementation reads nowhere. HOROVOD_ADASUM_MPI_CHUNK_SIZE is not
+# here: adasum.py honours it.
+IGNORED_TUNING = (
+    "HOROVOD_AUTOTUNE", "HOROVOD_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+    "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "HOROVOD_CACHE_CAPACITY", "HOROVOD_HIERARCHICAL_ALLREDUCE",
+    "HOROVOD_HIERARCHICAL_ALLGATHER", "HOROVOD_TORUS_ALLREDUCE", "HOROVOD_NUM_NCCL_STREAMS",
+    "HOROVOD_MPI_THREADS_DISABLE", "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_GROUPED_ALLREDUCES",
+    "HOROVOD_DISABLE_GROUP_FUSION", "HOROVOD_THREAD_AFFINITY", "HOROVOD_CPU_OPERATIONS", "HOROVOD_CONTROLLER",
+    "HOROVOD_DISABLE_NVTX_RANGES", "HOROVOD_ENABLE_ASYNC_COMPLETION",
+)
+IGNORED_TUNING_PREFIXES = ("HOROVOD_CCL_",)
+_tuning_checked = False
+
+
+def ignored_tuning(env: Mapping[str, str]) -> list[str]:
+    """The ignored tuning variables set (non-empty) in `env`, sorted."""
+    return sorted(k for k, v in env.items() if v != "" and (k in IGNORED_TUNING or k.startswith(IGNORED_TUNING_PREFIXES)))
+
+
+def warn_ignored_tuning(env: Mapping[str, str] | None = None) -> None:
+    """One warning per process (at its first hvd.init) naming the ignored variables set."""
+    global _tuning_checked
+    if _tuning_checked:
+        return
+    _tuning_checked = True
+    names = ignored_tuning(os.environ if env is None else env)
+    if names:
+        verb = "is set but has" if len(names) == 1 else "are set but have"
+        warnings.warn(f"Horovod: {', '.join(names)} {verb} no effect in c10d_ext.horovod (no autotuning, response "
+                      "cache, hierarchical or torus algorithms, NCCL stream count, thread affinity, MPI, CCL or "
+                      "controller choice here); ignored.", UserWarning, stacklevel=4)
 
 
 # ----------------------------------------------------------------------------------- topology
