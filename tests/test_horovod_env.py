@@ -329,3 +329,110 @@ def test_the_ignored_tuning_list():
            "HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "8", "HOROVOD_RANK": "0"}
     assert L.ignored_tuning(env) == ["HOROVOD_CACHE_CAPACITY", "HOROVOD_CCL_CACHE", "HOROVOD_CONTROLLER",
                                      "HOROVOD_CPU_OPERATIONS"]
+
+
+# ==================================================================================== elastic removal
+REMOVAL = """
+import json, os, sys, time
+sys.path.insert(0, {tests!r})
+import torch
+import torch.distributed as dist
+import c10d_ext.horovod as hvd
+from c10d_ext.horovod.elastic.state import State
+from test_horovod_elastic import elastic_training, write_result
+
+out_dir = sys.argv[1]
+wid = os.environ["MYCCL_HVD_WORKER_ID"]
+result = {{"steps": [], "resets": [], "interrupts": [], "wid": wid, "host": os.environ["HOROVOD_HOSTNAME"]}}
+plain_commit = State.commit
+
+
+def commit(state):
+    try:
+        plain_commit(state)
+    except hvd.HostsUpdatedInterrupt as e:  # the commit path: every rank sees the update here
+        result["interrupts"].append({{"batch": state.batch, "skip_sync": e.skip_sync}})
+        print(f"INTERRUPTED {{wid}} at batch {{state.batch}}", flush=True)
+        raise
+
+
+State.commit = commit
+
+
+def after_step(state):
+    if state.batch == 2 and hvd.rank() == 0 and not os.path.exists(os.path.join(out_dir, "committed")):
+        open(os.path.join(out_dir, "committed"), "w").close()  # the test now takes a host away
+        from c10d_ext.horovod.basics import STATE
+        store = dist.PrefixStore("hvd/elastic", STATE.job_store)
+        end = time.monotonic() + 60
+        while store.add("leaves", 0) < 1 and time.monotonic() < end:
+            time.sleep(0.05)  # so that the commit at batch 4 sees the launcher's request
+
+
+error = None
+try:
+    torch.set_num_threads(1)
+    hvd.init()
+    elastic_training(hvd, result, after_step=after_step)
+    result["env_size"] = os.environ.get("HOROVOD_SIZE")
+    hvd.shutdown()
+except SystemExit as e:
+    result["exit"] = e.code
+    write_result(os.path.join(out_dir, wid + ".json"), result, None)
+    raise
+except BaseException as e:
+    error = e
+write_result(os.path.join(out_dir, wid + ".json"), result, error)
+sys.exit(1 if error else 0)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("torch").distributed, "_reconfigure"),
+                    reason="a new world at a commit is made through torch's reconfigure API (torch >= 2.14)")
+def test_a_host_that_leaves_the_discovery_stops_its_worker_at_the_next_commit(tmp_path):
+    """-np 3 on 'localhost:2' and '127.0.0.1:1' (both this machine). After the commit at batch 2
+    the discovery stops printing 127.0.0.1: its worker (w3) is not terminated; the commit at batch
+    4 raises HostsUpdatedInterrupt on all three (hosts removed: no sync), w3 leaves in the reset
+    with status 0, and w1, w2 finish the epoch at 2 ranks with one process's parameters."""
+    from test_horovod_elastic_launch import _same_as_one_process
+
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(REMOVAL.format(tests=HERE))
+    argv = [sys.executable, "-m", "c10d_ext.horovod.run", "-np", "3", "--min-np", "2",
+            "--host-discovery-script", f"cat {hosts}", sys.executable, str(script), str(out)]
+    proc = subprocess.Popen(argv, env=clean_env({}), cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 120
+        while not (out / "committed").exists() and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.05)
+        hosts.write_text("localhost:2\n")
+        text, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        text, _ = proc.communicate()
+        pytest.fail("the elastic job did not finish in time:\n" + text.decode(errors="replace")[-4000:])
+    text = text.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    assert "127.0.0.1[0] leaves the job at its next commit" in text and "has been removed from elastic job" in text, text[-3000:]
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("w*.json")}
+    assert sorted(results) == ["w1", "w2", "w3"], (sorted(results), text[-3000:])
+    gone = results["w3"]
+    assert "error" not in gone, gone["error"]
+    assert gone["host"] == "127.0.0.1" and gone["exit"] == 0, gone
+    assert gone["interrupts"] == [{"batch": 4, "skip_sync": True}], gone
+    assert [(s["batch"], s["size"]) for s in gone["steps"]] == [(b, 3) for b in range(4)], gone["steps"]
+    params = []
+    for wid in ("w1", "w2"):
+        res = results[wid]
+        assert "error" not in res, (wid, res["error"])
+        assert res["interrupts"] == [{"batch": 4, "skip_sync": True}], (wid, res)
+        assert [(s["batch"], s["size"]) for s in res["steps"]] == [(b, 3) for b in range(4)] + [(b, 2) for b in range(4, 8)]
+        assert res["resets"] == [{"size": 2, "rank": int(wid[1]) - 1, "batch": 4}], (wid, res["resets"])
+        assert res["env_size"] == "2", res  # horovodrun's variables follow the reset
+        assert _same_as_one_process(res), wid
+        params.append(res["params"])
+    assert params[0] == params[1]

@@ -207,6 +207,9 @@ def init(comm=None, process_sets=None) -> None:
         s.rank = ranks.index(me)
         s.size = len(ranks)
         s.timeout = _timeout()
+        from .elastic import join
+
+        join.publish_member()  # (before the first collective: rank 0's next commit finds every name)
         local = len(ranks) != world
         s.group = dist.new_group(ranks, backend="myccl", use_local_synchronization=local)
         s.admin = dist.new_group(ranks, backend="myccl", use_local_synchronization=local)

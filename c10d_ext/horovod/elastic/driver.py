@@ -16,8 +16,13 @@ keeps the fixed ``-H`` / ``-hostfile`` list (at least two hosts, as Horovod requ
 * a worker that fails (non-zero status) blacklists its host, for good or for Horovod's cooldown
   (``--blacklist-cooldown-range``); the other workers lose a peer, restore their last commit and
   go on without it (the survivors' path of ``hvd.elastic.run``);
-* a host gone from the discovery has its workers terminated, and the others go on the same way
-  (Horovod lets them stop at their next commit);
+* a host gone from the discovery (or a slot: a host printed with fewer slots) has its workers
+  stop at the job's next ``state.commit()``, as Horovod's driver has them: the launcher writes a
+  leave request per worker in the job's store, the commit raises ``HostsUpdatedInterrupt`` on
+  every rank (hosts removed: no sync), and in the reset those workers exit with status 0 while
+  the others make the smaller world (join.py) and go on from the state they committed. A worker
+  that never reaches another commit runs on until the job ends. Removing every worker's host stops
+  the job with Horovod's message;
 * fewer than ``--min-np`` workers left and no slot for another within ``--elastic-timeout``, more
   changes of the world than ``--reset-limit``, or every host that runs a worker blacklisted: the
   job is stopped with Horovod's message.
@@ -49,6 +54,7 @@ DISCOVER_HOSTS_FREQUENCY_SECS = 1.0
 ELASTIC_TIMEOUT_SECS = 600
 COOLDOWN_LIMITS = (1, 3600)  # Horovod's bounds for --blacklist-cooldown-range
 RESET_LIMIT_EXCEEDED_MESSAGE = "Horovod was shutdown because number of resets during elastic job exceeded limit: {}"
+NO_HOSTS_REMAINING_MESSAGE = "No hosts from previous set remaining, unable to broadcast state."
 CHANGE_WINDOW_S = 2.0  # failures this close together are one change of the world, as one reset
 
 
@@ -114,12 +120,13 @@ def discover(args) -> dict:
 
 
 class Worker:
-    __slots__ = ("host", "slot", "tag", "wid", "proc", "joiner", "code", "removed", "survived")
+    __slots__ = ("host", "slot", "tag", "wid", "proc", "joiner", "code", "removed", "leaving", "survived")
 
     def __init__(self, host, slot, tag, wid, joiner):
         self.host, self.slot, self.tag, self.wid, self.joiner = host, slot, tag, wid, joiner
         self.proc, self.code = None, None
-        self.removed = False  # terminated by the launcher (its host went away, or never admitted)
+        self.removed = False  # no longer the job's: its host went away, or never admitted (its status is ignored)
+        self.leaving = False  # asked to leave at the job's next commit (its host went away)
         self.survived = False  # failed before any worker succeeded: the others went on
 
     @property
@@ -167,6 +174,7 @@ class ElasticDriver:
         self.error = None  # (message, exit code) that stopped the job
         self.store = self.port = self.addr = None
         self.next_id = 0
+        self.leaves = 0  # leave requests written
         self.said_no_join = False
 
     # ---- hosts -----------------------------------------------------------------------------
@@ -189,11 +197,22 @@ class ElasticDriver:
                 raise
             print(f"WARNING: {e}", file=sys.stderr, flush=True)  # transient: retried next second
             return
-        for w in self.workers:  # a host that went away takes its workers with it
+        for w in self.workers:  # a host that went away: its workers leave at the next commit
             if w.code is None and w.slot >= found.get(w.host, 0) and not w.removed:
-                w.removed = True
-                self._signal(w, signal.SIGTERM)
+                self._ask_to_leave(w)
         self.hosts = found
+
+    def _ask_to_leave(self, w: Worker) -> None:
+        from . import join
+
+        w.removed = w.leaving = True
+        self.leaves += 1
+        store = dist.PrefixStore(join.PREFIX, self.store)
+        store.set(f"leave/{self.leaves}", w.wid)
+        store.add("leaves", 1)
+        store.add("changes", 1)  # (last: rank 0 reads the request when it sees this move)
+        print(f"Host {w.host} is no longer available: {w.name} leaves the job at its next commit.",
+              file=sys.stderr, flush=True)
 
     # ---- workers ---------------------------------------------------------------------------
     def _start(self, host, slot, rank, joiner, info=None) -> None:
@@ -314,6 +333,8 @@ class ElasticDriver:
             if self.error is None and self.first_success is None and self.failures and all(
                     self._state(w.host).blacklisted for w in running):
                 self.error = (self._failure_message(self.failures[0]), self.failures[0].code)  # (Horovod's rule)
+            if self.error is None and self.first_success is None and all(w.leaving for w in running):
+                self.error = (NO_HOSTS_REMAINING_MESSAGE, 1)  # nobody would be left to hand the state on
             if self.error is None:
                 self._check_limits(running, now)
             if self.error is not None:
@@ -336,7 +357,8 @@ class ElasticDriver:
         code = w.proc.returncode
         w.code = code if code >= 0 else 128 - code
         if w.removed:
-            self.changes.append(now)
+            if not w.leaving:  # (a departure at a commit is a generation: the store counts it)
+                self.changes.append(now)
             return
         if w.code == 0:
             self.first_success = self.first_success or now

@@ -9,7 +9,9 @@ Host-change notifications: Horovod's elastic driver pushes them to each worker's
 service, which calls ``on_hosts_updated`` on the registered states. There is no such service
 here; ``notification_manager.handle_hosts_updated(timestamp, update_res)`` (or a direct
 ``state.on_hosts_updated``) is how a caller feeds them, and ``commit()`` /
-``check_host_updates()`` then act on them exactly as Horovod's do.
+``check_host_updates()`` then act on them exactly as Horovod's do. The launcher's elastic mode
+reaches the workers through the job's store instead: at a commit rank 0 admits new processes and
+lets go of the ones whose host left (join.py), and every rank raises alike.
 """
 
 from __future__ import annotations
@@ -115,11 +117,16 @@ class State:
             if ts > newest_ts:
                 newest_ts = ts
                 flags |= update
-        # Processes waiting to join (join.py) are admitted here, by rank 0: a host update too.
+        # Processes waiting to join, and members the launcher asked to leave (join.py), are admitted
+        # or let go here, by rank 0: a host update too.
         join = admit() if self._rank() == 0 else None
         if join is not None:
             newest_ts = max(newest_ts, prev_ts + 1, time.time())
-            flags |= HostUpdateResult.added
+            members = join[1]
+            if any(m.startswith("j") for m in members):
+                flags |= HostUpdateResult.added
+            if any(f"r{r}" not in members for r in range(STATE.size)):
+                flags |= HostUpdateResult.removed
         # Rank 0 decides for everyone, so that every rank raises (or not) at the same commit.
         prev_ts, self._last_updated_timestamp, flags, join = self._bcast_object((prev_ts, newest_ts, flags, join))
         if join is not None:
@@ -275,6 +282,14 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.save()
         super().save()
+
+    def on_reset(self):
+        # The world changed: samplers split what is left of the epoch among the ranks as they are
+        # now, also when the sync is skipped (hosts only removed).
+        for handler in self._handlers.values():
+            if isinstance(handler, SamplerStateHandler):
+                handler.value.reset()
+        super().on_reset()
 
     def restore(self):
         for handler in self._handlers.values():
