@@ -263,13 +263,15 @@ def can_defer(tensors, op: int, pre: float) -> bool:
     return pre == 1.0 and op in OPS and C.TIMELINE[0] is None
 
 
-def defer(ctrl, tensors: list, inplace: bool, names: tuple, op: int, post: float, single: bool, timed: bool = True):
-    """Adds an asynchronous allreduce (checked by can_defer) to the set's pending list; returns
-    its handle number, or None when the set holds no op now (queued or announced requests, a
-    join, a pending list of another op or factor, a tensor it does not hold) and the op is
-    queued instead. A list of untimed ops only (`timed` False: their caller always synchronizes
-    them) never runs on the timer, so where it ends is a point of the program on every member."""
-    return added(ctrl, ctrl.held.add(tensors, list(names), inplace, op, post, timed, single))
+def defer(ctrl, tensors: list, inplace: bool, names: tuple, op: int, post: float, single: bool, timed: bool,
+          handle: int):
+    """Adds an asynchronous allreduce (checked by can_defer) to the set's pending list under the
+    op's handle number; returns it, or None when the set holds no op now (queued or announced
+    requests, a join, a pending list of another op or factor, a tensor it does not hold) and the
+    op is queued instead. A list of untimed ops only (`timed` False: their caller always
+    synchronizes them) never runs on the timer, so where it ends is a point of the program on
+    every member."""
+    return added(ctrl, ctrl.held.add(tensors, list(names), inplace, op, post, timed, single, handle))
 
 
 def added(ctrl, code: int):

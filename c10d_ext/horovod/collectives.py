@@ -10,7 +10,7 @@ from . import controller as C
 from .basics import rank
 from .compression import Compression
 from .exceptions import HorovodInternalError
-from .handles import (_MOVE_TYPES, _REDUCE_TYPES, Average, Sum, _check_tensor, _entry, _name, _peek_handle,
+from .handles import (_MOVE_TYPES, _REDUCE_TYPES, Average, Sum, _check_tensor, _entry, _name, _next_handle,
                       _same_device, _submit, _sync, synchronize)
 from .process_sets import global_process_set
 
@@ -18,16 +18,17 @@ from .process_sets import global_process_set
 # ---- allgather --------------------------------------------------------------------------------
 def _allgather_requests(tensors, prefix, name, process_set):
     entry = _entry(process_set, "Allgather")
-    base = _name(prefix, name, _peek_handle())
+    h = _next_handle()
+    base = _name(prefix, name, h)
     n = len(tensors)
     names = [base] if prefix == "allgather" else [f"{base}_{i + 1}of{n}" for i in range(n)]
-    return entry, [C.Request(C.ALLGATHER, nm, t) for nm, t in zip(names, tensors)]
+    return entry, [C.Request(C.ALLGATHER, nm, t) for nm, t in zip(names, tensors)], h
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
     _check_tensor(tensor, _MOVE_TYPES)
-    entry, reqs = _allgather_requests([tensor], "allgather", name, process_set)
-    return _submit(entry, reqs, lambda: reqs[0].result)
+    entry, reqs, h = _allgather_requests([tensor], "allgather", name, process_set)
+    return _submit(entry, reqs, lambda: reqs[0].result, h)
 
 
 class HorovodAllgather(torch.autograd.Function):
@@ -55,8 +56,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     _check_tensor(tensors[0], _MOVE_TYPES)
     _same_device(tensors)
-    entry, reqs = _allgather_requests(tensors, "grouped_allgather", name, process_set)
-    return _submit(entry, reqs, lambda: tuple(r.result for r in reqs))
+    entry, reqs, h = _allgather_requests(tensors, "grouped_allgather", name, process_set)
+    return _submit(entry, reqs, lambda: tuple(r.result for r in reqs), h)
 
 
 class HorovodGroupedAllgather(torch.autograd.Function):
@@ -89,8 +90,9 @@ def _broadcast_async(tensor, output, root_rank, name, process_set):
     entry = _entry(process_set, "Broadcast")
     if root_rank not in entry.ranks:
         raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set")
-    req = C.Request(C.BROADCAST, _name("broadcast", name, _peek_handle()), tensor, output, root=root_rank)
-    return _submit(entry, [req], lambda: output)
+    h = _next_handle()
+    req = C.Request(C.BROADCAST, _name("broadcast", name, h), tensor, output, root=root_rank)
+    return _submit(entry, [req], lambda: output, h)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -154,13 +156,14 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         if int(send.sum()) > dim0:
             raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
         out_device = splits.device
-    req = C.Request(C.ALLTOALL, _name("alltoall", name, _peek_handle()), tensor, splits=send)
+    h = _next_handle()
+    req = C.Request(C.ALLTOALL, _name("alltoall", name, h), tensor, splits=send)
 
     def finish():
         out, recv = req.result
         return out, recv.to(out_device)
 
-    return _submit(entry, [req], finish)
+    return _submit(entry, [req], finish, h)
 
 
 class HorovodAlltoall(torch.autograd.Function):
@@ -195,18 +198,19 @@ def _reducescatter_requests(tensors, prefix, name, op, pre, post, process_set):
             raise ValueError("Reducescatter does not support scalar inputs")
     if op == Average:
         post = post / len(entry.ranks)
-    base = _name(prefix, name, _peek_handle())
+    h = _next_handle()
+    base = _name(prefix, name, h)
     n = len(tensors)
     names = [base] if prefix == "reducescatter" else [f"{base}_{i + 1}of{n}" for i in range(n)]
-    return entry, [C.Request(C.REDUCESCATTER, nm, t, pre=pre, post=post) for nm, t in zip(names, tensors)]
+    return entry, [C.Request(C.REDUCESCATTER, nm, t, pre=pre, post=post) for nm, t in zip(names, tensors)], h
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0):
     _check_tensor(tensor, _REDUCE_TYPES)
-    entry, reqs = _reducescatter_requests([tensor], "reducescatter", name, op, prescale_factor,
-                                          postscale_factor, process_set)
-    return _submit(entry, reqs, lambda: reqs[0].result)
+    entry, reqs, h = _reducescatter_requests([tensor], "reducescatter", name, op, prescale_factor,
+                                             postscale_factor, process_set)
+    return _submit(entry, reqs, lambda: reqs[0].result, h)
 
 
 def _reducescatter_grad(grad, op, size_, pre, post, inplace):
@@ -245,9 +249,9 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
                                 prescale_factor=1.0, postscale_factor=1.0):
     _check_tensor(tensors[0], _REDUCE_TYPES)
     _same_device(tensors)
-    entry, reqs = _reducescatter_requests(tensors, "grouped_reducescatter", name, op, prescale_factor,
-                                          postscale_factor, process_set)
-    return _submit(entry, reqs, lambda: tuple(r.result for r in reqs))
+    entry, reqs, h = _reducescatter_requests(tensors, "grouped_reducescatter", name, op, prescale_factor,
+                                             postscale_factor, process_set)
+    return _submit(entry, reqs, lambda: tuple(r.result for r in reqs), h)
 
 
 class HorovodGroupedReducescatter(torch.autograd.Function):

@@ -24,18 +24,13 @@ _handles: dict[int, C.Handle] = {}  # the handles of ops not held (agreed.py hol
 _local = threading.local()  # .sync: inside a synchronous op, whose caller drives the cycles
 _handles_lock = threading.Lock()
 _held_result, _held_poll, _HeldList = _ext._hvd_result, _ext._hvd_poll, _ext._HeldList
-_next_handle, _peek_handle, reset_handles = _ext._hvd_next_handle, _ext._hvd_peek_handle, _ext._hvd_reset_handles
+_next_handle, reset_handles = _ext._hvd_next_handle, _ext._hvd_reset_handles
 
 
 # ---- handles ----------------------------------------------------------------------------------
 # Numbers come from one counter with the held ops' (src/python/HorovodHeld.cpp), from 1 after init.
-def _new_handle(handle: C.Handle) -> int:
-    with _handles_lock:
-        h = _next_handle()
-        _handles[h] = handle
-        return h
-
-
+# As in Horovod, an op takes its number first (_next_handle, once its arguments are checked) and
+# an unnamed op is named after it, so two threads never share a name.
 def poll(handle: int) -> bool:
     done = _held_poll(handle)
     if done >= 0:
@@ -104,7 +99,8 @@ def _name(prefix: str, name, handle: int) -> str:
     return f"{prefix}.{name}" if name else f"{prefix}.noname.{handle}"
 
 
-def _submit(entry, reqs, finish) -> int:
+def _submit(entry, reqs, finish, h: int) -> int:
+    """Queues the requests of one op on its set under handle number `h` (taken by the op)."""
     for r in reqs:
         if r.is_cuda:
             r.cuda_event = torch.cuda.Event()
@@ -112,7 +108,8 @@ def _submit(entry, reqs, finish) -> int:
     handle = C.Handle(reqs, finish)
     handle.ctrl = C.controller_for(entry)
     handle.ctrl.submit(reqs, wake=not getattr(_local, "sync", False))
-    return _new_handle(handle)
+    _handles[h] = handle
+    return h
 
 
 def _sync(fn):

@@ -19,8 +19,8 @@ from .basics import (STATE, ccl_built, cross_rank, cross_size, cuda_built, ddl_b
 from .compression import Compression
 from .exceptions import NOT_INITIALIZED, HorovodInternalError
 from .handles import (_REDUCE_TYPES, Adasum, Average, Max, Min, Product, Sum, _average_compat,  # noqa: F401
-                      _check_tensor, _entry, _handles, _handles_lock, _name, _new_handle, _next_handle, _peek_handle,
-                      _same_device, _submit, _sync, _wait, poll, reset_handles, synchronize)
+                      _check_tensor, _entry, _handles, _handles_lock, _name, _next_handle, _same_device, _submit,
+                      _sync, _wait, poll, reset_handles, synchronize)
 from .process_sets import ProcessSet, global_process_set  # noqa: F401
 
 # An allreduce_async's one call: its handle, with flags, when its set holds it (agreed.py; the set's
@@ -58,14 +58,18 @@ def _adasum_checks(tensor, process_set) -> None:
         raise HorovodInternalError("Unsupported data type")
 
 
-def _allreduce_requests(tensors, outputs, prefix, name, op, pre, post, process_set):
+def _allreduce_entry(tensors, op, process_set):
+    """The set of an allreduce, once its arguments passed Horovod's checks."""
     entry = _entry(process_set, "Allreduce")
     if op == Adasum:
         _adasum_checks(tensors[0], process_set)
-    names = _names(prefix, name, _peek_handle(), len(tensors))
+    return entry
+
+
+def _allreduce_requests(tensors, outputs, names, op, pre, post):
     kind = C.ADASUM if op == Adasum else C.ALLREDUCE
-    return entry, [C.Request(kind, nm, t, out, op=op if kind == C.ALLREDUCE else 0, pre=pre, post=post)
-                   for nm, t, out in zip(names, tensors, outputs)]
+    return [C.Request(kind, nm, t, out, op=op if kind == C.ALLREDUCE else 0, pre=pre, post=post)
+            for nm, t, out in zip(names, tensors, outputs)]
 
 
 _GROUP_NAMES: dict = {}  # (base, n) -> the names of a grouped op's tensors
@@ -85,51 +89,44 @@ def _names(prefix: str, name, handle: int, n: int) -> tuple:
 
 
 def _allreduce_fast(tensors, inplace, prefix, name, op, pre, post, process_set):
-    """A synchronous allreduce's one-step path (agreed.allreduce_now): its results, or None when
-    the op goes through the queue as an asynchronous one would."""
+    """A synchronous allreduce's one-step path (agreed.allreduce_now): (its results or None, its
+    handle number or None). None results: the op goes through the queue as an asynchronous one
+    would, under that handle number when it has one."""
     if not agreed.can_offer(tensors, op, pre):
-        return None
-    entry = _entry(process_set, "Allreduce")
+        return None, None
+    entry = _allreduce_entry(tensors, op, process_set)
     c = entry.controller
     if c is None or not (c.agreed_ok or c.size == 1):
-        return None
-    names = _names(prefix, name, _peek_handle(), len(tensors))
-    out = agreed.allreduce_now(c, tensors, inplace, names, op, post)
+        return None, None
+    h = _next_handle()
+    out = agreed.allreduce_now(c, tensors, inplace, _names(prefix, name, h, len(tensors)), op, post)
     if out is None:
-        return None
-    _next_handle()  # the handle number the op would have had (unnamed ops are named by it)
-    return out if isinstance(out, list) else _wait(out)
-
-
-def _defer(tensors, inplace, prefix, name, op, post, process_set, timed):
-    """An asynchronous allreduce into its set's pending list (agreed.defer): its handle number,
-    or None when it is queued as a request instead."""
-    entry = _entry(process_set, "Allreduce")
-    c = entry.controller
-    if c is None:
-        return None
-    names = _names(prefix, name, _peek_handle(), len(tensors))
-    return agreed.defer(c, tensors, inplace, names, op, post, prefix == "allreduce", timed)
+        return None, h
+    return (out if isinstance(out, list) else _wait(out)), h
 
 
 @_sync
-def _allreduce_sync(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
-    return synchronize(_allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set))
+def _allreduce_sync(tensor, output, name, op, prescale_factor, postscale_factor, process_set, h=None):
+    return synchronize(_allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
+                                        h=h))
 
 
-def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set, timed=True):
+def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set, timed=True, h=None):
     """`timed` False: the caller is sure to synchronize the handle (DistributedOptimizer), so the
-    op, if held, never runs on the set's timer (agreed.defer)."""
+    op, if held, never runs on the set's timer (agreed.defer). `h`: the op's handle number, when
+    a synchronous op took it already."""
     _check_tensor(tensor, _REDUCE_TYPES)
-    if agreed.can_defer((tensor,), op, prescale_factor):
-        h = _defer([tensor], output is not None, "allreduce", name, op, postscale_factor, process_set, timed)
-        if h is not None:
+    entry = _allreduce_entry((tensor,), op, process_set)
+    if h is None:
+        h = _next_handle()
+    names = _names("allreduce", name, h, 1)
+    if agreed.can_defer((tensor,), op, prescale_factor) and entry.controller is not None:
+        if agreed.defer(entry.controller, [tensor], output is not None, names, op, postscale_factor, True, timed, h):
             return h
-    entry, reqs = _allreduce_requests([tensor], [output], "allreduce", name, op, prescale_factor,
-                                      postscale_factor, process_set)
-    if output is None:  # not in place: the result is a view of what the collective reduced
-        return _submit(entry, reqs, lambda: reqs[0].result)
-    return _submit(entry, reqs, lambda: output)
+    reqs = _allreduce_requests([tensor], [output], names, op, prescale_factor, postscale_factor)
+    if output is None:
+        return _submit(entry, reqs, lambda: reqs[0].result, h)
+    return _submit(entry, reqs, lambda: output, h)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -161,10 +158,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     op = _average_compat(op, average)
-    out = _allreduce_fast([tensor], True, "allreduce", name, op, prescale_factor, postscale_factor, process_set)
+    out, h = _allreduce_fast([tensor], True, "allreduce", name, op, prescale_factor, postscale_factor, process_set)
     if out is not None:
         return out[0]
-    return _allreduce_sync(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce_sync(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set, h)
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -183,10 +180,10 @@ class HorovodAllreduce(torch.autograd.Function):
 
 def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
     op = _average_compat(op, average)
-    out = _allreduce_fast([tensor], False, "allreduce", name, op, prescale_factor, postscale_factor, process_set)
+    out, h = _allreduce_fast([tensor], False, "allreduce", name, op, prescale_factor, postscale_factor, process_set)
     if out is not None:
         return out[0]
-    return _allreduce_sync(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce_sync(tensor, None, name, op, prescale_factor, postscale_factor, process_set, h)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -202,22 +199,25 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 # ---- grouped allreduce ------------------------------------------------------------------------
 def _grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set,
-                             timed=True):
+                             timed=True, h=None):
     _check_tensor(tensors[0], _REDUCE_TYPES)
     _same_device(tensors)
     for t in tensors[1:]:
         if not t.is_contiguous():
             raise ValueError("Tensor is required to be contiguous.")
-    if agreed.can_defer(tensors, op, prescale_factor):
-        h = _defer(list(tensors), outputs is not None, "grouped_allreduce", name, op, postscale_factor, process_set,
-                   timed)
-        if h is not None:
+    entry = _allreduce_entry(tensors, op, process_set)
+    if h is None:
+        h = _next_handle()
+    names = _names("grouped_allreduce", name, h, len(tensors))
+    if agreed.can_defer(tensors, op, prescale_factor) and entry.controller is not None:
+        if agreed.defer(entry.controller, list(tensors), outputs is not None, names, op, postscale_factor, False,
+                        timed, h):
             return h
-    entry, reqs = _allreduce_requests(tensors, outputs or [None] * len(tensors), "grouped_allreduce", name, op, prescale_factor,
-                                      postscale_factor, process_set)
+    reqs = _allreduce_requests(tensors, outputs or [None] * len(tensors), names, op, prescale_factor,
+                               postscale_factor)
     if outputs is None:
-        return _submit(entry, reqs, lambda: tuple(r.result for r in reqs))
-    return _submit(entry, reqs, lambda: tuple(outputs))
+        return _submit(entry, reqs, lambda: tuple(r.result for r in reqs), h)
+    return _submit(entry, reqs, lambda: tuple(outputs), h)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -236,17 +236,17 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
     op = _average_compat(op, average)
-    out = _allreduce_fast(list(tensors), True, "grouped_allreduce", name, op, prescale_factor, postscale_factor,
-                          process_set)
+    out, h = _allreduce_fast(list(tensors), True, "grouped_allreduce", name, op, prescale_factor, postscale_factor,
+                             process_set)
     if out is not None:
         return tuple(out)
-    return _grouped_sync(tensors, list(tensors), name, op, prescale_factor, postscale_factor, process_set)
+    return _grouped_sync(tensors, list(tensors), name, op, prescale_factor, postscale_factor, process_set, h)
 
 
 @_sync
-def _grouped_sync(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set):
+def _grouped_sync(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set, h=None):
     return synchronize(_grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+                                                process_set, h=h))
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
@@ -255,11 +255,11 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
         ctx.average, ctx.op = average, op
         ctx.prescale_factor, ctx.postscale_factor, ctx.process_set = prescale_factor, postscale_factor, process_set
         op = _average_compat(op, average)
-        out = _allreduce_fast(list(tensors), False, "grouped_allreduce", name, op, prescale_factor, postscale_factor,
-                              process_set)
+        out, h = _allreduce_fast(list(tensors), False, "grouped_allreduce", name, op, prescale_factor,
+                                 postscale_factor, process_set)
         if out is not None:
             return tuple(out)
-        return _grouped_sync(list(tensors), None, name, op, prescale_factor, postscale_factor, process_set)
+        return _grouped_sync(list(tensors), None, name, op, prescale_factor, postscale_factor, process_set, h)
 
     @staticmethod
     def backward(ctx, *grad_output):
@@ -308,7 +308,7 @@ def join(device=-1) -> int:
     ctrl = C.controller_for(entry)
     ctrl.join_device = device if (device is not None and device >= 0 and torch.cuda.is_available()) else -1
     req = C.Request(C.JOIN, "join.noname", None)
-    handle = _submit(entry, [req], lambda: torch.tensor(req.result, dtype=torch.int32))
+    handle = _submit(entry, [req], lambda: torch.tensor(req.result, dtype=torch.int32), _next_handle())
     return int(synchronize(handle).item())
 
 
@@ -316,7 +316,7 @@ def join(device=-1) -> int:
 def barrier(process_set=global_process_set):
     entry = _entry(process_set, "Barrier")
     req = C.Request(C.BARRIER, "barrier.noname", None)
-    synchronize(_submit(entry, [req], lambda: None))
+    synchronize(_submit(entry, [req], lambda: None, _next_handle()))
 
 
 # ---- timeline ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <limits>
@@ -111,7 +112,7 @@ int64_t join(const std::shared_ptr<HeldSet>& sp, std::vector<at::Tensor>&& tenso
     s.open->post = post;
   }
   HeldList& l = *s.open;
-  gNext = handle;
+  gNext = std::max(gNext, handle);  // (add's handle was taken before, maybe with others since)
   const auto opIndex = static_cast<int32_t>(l.ops.size());
   l.ops.push_back(HeldOp{handle, static_cast<int32_t>(l.tensors.size()), static_cast<int32_t>(tensors.size()), single});
   for (auto& t : tensors) {
@@ -358,6 +359,16 @@ void bindHorovodHeld(py::module& m) {
              auto it = gSets.find(sp->id);
              if (it != gSets.end() && it->second == sp) gSets.erase(it);
            })
+      .def_property(  // the fusion threshold at which a list is sealed (agreed by the set's members)
+          "threshold",
+          [](const HeldSet& s) {
+            std::lock_guard<std::mutex> g(gMu);
+            return s.threshold;
+          },
+          [](HeldSet& s, int64_t v) {
+            std::lock_guard<std::mutex> g(gMu);
+            s.threshold = v;
+          })
       .def_property(
           "accepting",
           [](const HeldSet& s) {
@@ -368,11 +379,12 @@ void bindHorovodHeld(py::module& m) {
             std::lock_guard<std::mutex> g(gMu);
             s.accepting = v;
           })
-      // Any allreduce (agreed.defer), each tensor's full name given: as addOne, `timed` False for
-      // ops whose caller always waits on them (DistributedOptimizer's).
+      // Any allreduce (agreed.defer), each tensor's full name and the op's handle number (taken
+      // before it was named: _hvd_next_handle) given: as addOne, `timed` False for ops whose
+      // caller always waits on them (DistributedOptimizer's).
       .def("add",
            [](const std::shared_ptr<HeldSet>& sp, std::vector<at::Tensor> tensors, std::vector<std::string> names,
-              bool inplace, int64_t op, double post, bool timed, bool single) -> int64_t {
+              bool inplace, int64_t op, double post, bool timed, bool single, int64_t handle) -> int64_t {
              if (tensors.empty() || names.size() != tensors.size()) return 0;
              for (const auto& t : tensors)
                if (!holdable(t)) return 0;
@@ -380,7 +392,7 @@ void bindHorovodHeld(py::module& m) {
              if (!takes(*sp, op, post)) return 0;
              for (const auto& nm : names)
                if (sp->names.count(nm)) return -1;
-             return join(sp, std::move(tensors), std::move(names), inplace, op, post, timed, single, gNext + 1);
+             return join(sp, std::move(tensors), std::move(names), inplace, op, post, timed, single, handle);
            })
       .def_property_readonly("held_ops",  // ops in the open and sealed lists
                              [](const HeldSet& s) {
@@ -444,10 +456,6 @@ void bindHorovodHeld(py::module& m) {
   m.def("_hvd_next_handle", [] {
     std::lock_guard<std::mutex> g(gMu);
     return ++gNext;
-  });
-  m.def("_hvd_peek_handle", [] {
-    std::lock_guard<std::mutex> g(gMu);
-    return gNext + 1;
   });
   m.def("_hvd_reset_handles", [] {
     std::lock_guard<std::mutex> g(gMu);
