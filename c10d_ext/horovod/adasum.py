@@ -28,6 +28,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ._torch import all_gather_single
+
 __all__ = ["adasum_allreduce_", "adasum_reference", "pairwise_coefficients"]
 
 SQRT_DBL_MIN = sys.float_info.min ** 0.5  # sqrt(DBL_MIN), about 1.49e-154
@@ -261,7 +263,7 @@ def adasum_allreduce_(buf: torch.Tensor, sizes: Sequence[int], group, ranks: Seq
         triples.copy_(part.reshape(-1))
         # Summed over this level's 2L-rank block: every rank gives its triples to the group,
         # each block adds its own members' in rank order (the same sum on each of them).
-        dist.all_gather_into_tensor(gathered, triples, group=group)
+        all_gather_single(gathered, triples, group=group)
         block = 2 * level
         lo = (rank // block) * block
         rows = gathered.view(size, 3, k)

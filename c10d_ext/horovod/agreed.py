@@ -70,7 +70,8 @@ def offer(ctrl, r: C.Request | None) -> bool:
     buf, key, op = ctrl.no_offer, 0, dist.ReduceOp.SUM
     if (r is not None and r.kind == C.ALLREDUCE and r.pre == 1.0 and r.op in OPS and _eligible(r.tensor)
             and r.tensor.nbytes <= AGREE_BYTES):
-        buf = r.tensor.view(-1) if r.output is r.tensor else r.tensor.reshape(-1).clone()
+        # (a new tensor where not in place: Horovod's results are never views)
+        buf = r.tensor if r.output is r.tensor else r.tensor.clone()
         key, op = key_of(r), OPS[r.op]
     else:
         r = None
@@ -78,7 +79,7 @@ def offer(ctrl, r: C.Request | None) -> bool:
         return False
     _scale(buf, _post_scale(ctrl, r.op, r.post))
     if r.output is None:
-        r.result = buf.view(r.tensor.shape)
+        r.result = buf
     ctrl.complete(r)
     return True
 

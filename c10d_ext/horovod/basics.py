@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import launch_env
+from ._torch import all_gather_single
 from .exceptions import NOT_INITIALIZED, HorovodInternalError
 
 
@@ -123,7 +124,7 @@ def _topology(group, ranks: list[int]) -> None:
         return
     mine = torch.tensor([c10d_ext.cross_rank(group), c10d_ext.local_rank(group)], dtype=torch.int64)
     every = torch.empty(s.size * 2, dtype=torch.int64)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    all_gather_single(every, mine, group=group)
     pairs = every.view(s.size, 2).tolist()
     host = pairs[s.rank][0]
     per_host: dict[int, int] = {}

@@ -30,6 +30,7 @@ from .. import _C as _ext
 from . import agreed
 from .basics import STATE
 from .exceptions import SHUT_DOWN, HorovodInternalError
+from ._torch import all_gather_single
 
 log = logging.getLogger("c10d_ext.horovod")
 
@@ -144,6 +145,19 @@ class Handle:
             self.event.set()
 
 
+# What Horovod's coordinator answers an op of these kinds while a rank has joined.
+JOIN_UNSUPPORTED = {
+    ALLGATHER: "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if using DistributedOptimizer",
+    ALLTOALL: "Alltoall is not supported with Join at this time.",
+    BROADCAST: "Broadcast is not supported with Join at this time.",
+    REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
+}
+
+
+def _kind_of(entry) -> int:
+    return next(iter(entry.recs.values()))[2] & 0xFF
+
+
 class Announced:
     """The table entry of one name: each member's record, in the order they came."""
 
@@ -208,6 +222,9 @@ class SetController(threading.Thread):
         self.stopping = False
         self.failed: BaseException | None = None
         self.cycles = 0
+        # Negotiations run (every member runs each one, unlike the agreed steps a member may
+        # take alone): the clock of joins, so that every member names the same last one.
+        self.rounds = 0
         self.asleep = False  # this set's thread waits until told (_loop)
         self.list_agreed = False  # every member announced the same pending list's key (_negotiate)
         # Horovod's stall inspector: a warning on the set's rank 0, and optionally a shutdown
@@ -448,10 +465,11 @@ class SetController(threading.Thread):
         if recs:
             m[HEADER:HEADER + len(recs) * FIELDS] = array("q", [x for rec in recs for x in rec])
         if self.size > 1:
-            dist.all_gather_into_tensor(self.gathered, self.msg, group=self.group)
+            all_gather_single(self.gathered, self.msg, group=self.group)
             g = self.gathered_arr
         else:
             g = m
+        self.rounds += 1
         width = self.width
         announced = 0
         flags = []
@@ -467,7 +485,7 @@ class SetController(threading.Thread):
                 at = base + HEADER + i * FIELDS
                 rec = g[at:at + FIELDS].tolist()
                 if rec[2] & 0xFF == JOIN:
-                    self.joined.setdefault(member, self.cycles)
+                    self.joined.setdefault(member, self.rounds)
                     continue
                 entry = self.table.get(rec[0])
                 if entry is None:
@@ -479,9 +497,8 @@ class SetController(threading.Thread):
                 entry.recs[member] = rec
                 if tl is not None and rec[0] in self.mine:
                     tl.negotiate_rank_ready(self.mine[rec[0]].name, member)
-        if self.agreed_ok is None:  # the first cycle made the group's CPU engine on every member
-            self.backend = self.group._get_backend(torch.device("cpu"))
-            self.agreed_ok = bool(self.backend._agreed_available)
+        if self.agreed_ok is None:  # the set's first cycle (it made the group's CPU engine)
+            self._agree_settings()
         others_more = any(f & 2 for f in flags)
         if any(f & 4 for f in flags):  # some member saw a stall past the shutdown time: all stop
             err = HorovodInternalError(f"{SHUT_DOWN} (a request waited on other ranks for longer than "
@@ -491,7 +508,13 @@ class SetController(threading.Thread):
         if self.stall_check and self.table:
             self._inspect_stalls()
         needed = self.size - len(self.joined)
-        ready = [(h, e) for h, e in self.table.items() if len(e.recs.keys() - self.joined.keys()) >= needed and needed > 0]
+        # Ready: announced by every member that has not joined. While a member has joined, an op
+        # that cannot run with a joined rank is ready (as Horovod's error) on whoever announced it:
+        # the others need not announce it under the same name (an unnamed op's number counts the
+        # ops each rank issued, and the joined rank issued fewer).
+        ready = [(h, e) for h, e in self.table.items()
+                 if needed > 0 and (len(e.recs.keys() - self.joined.keys()) >= needed
+                                    or (self.joined and _kind_of(e) in JOIN_UNSUPPORTED))]
         for h, _ in ready:
             del self.table[h]
         if ready:
@@ -502,6 +525,25 @@ class SetController(threading.Thread):
             self._finish_join()
             return True, others_more
         return bool(ready) or announced > 0, others_more
+
+    def _agree_settings(self) -> None:
+        """Once per set, in its first negotiation (every member runs it): what each member would
+        otherwise decide alone. Fusion is the set's rank 0's threshold on every member, as
+        Horovod's coordinator fuses for all ranks (a member whose HOROVOD_FUSION_THRESHOLD
+        differs says so); the agreed step is used only where every member has it."""
+        self.backend = self.group._get_backend(torch.device("cpu"))
+        mine = torch.tensor([self.fusion_threshold, int(bool(self.backend._agreed_available))], dtype=torch.int64)
+        every = torch.empty(2 * self.size, dtype=torch.int64)
+        all_gather_single(every, mine, group=self.group)
+        pairs = every.view(self.size, 2).tolist()
+        threshold = pairs[0][0]
+        if threshold != self.fusion_threshold:
+            log.warning("hvd: HOROVOD_FUSION_THRESHOLD is %d on this rank (%d of process set %d) and %d on the "
+                        "set's rank 0 (%d): every rank fuses with rank 0's, as Horovod's coordinator does",
+                        self.fusion_threshold, STATE.rank, self.entry.id, threshold, self.entry.ranks[0])
+            self.fusion_threshold = threshold
+            self.held.threshold = threshold
+        self.agreed_ok = all(p[1] for p in pairs)
 
     def _inspect_stalls(self) -> None:
         """Horovod's stall inspector, per set: every HOROVOD_STALL_CHECK_TIME_SECONDS the set's

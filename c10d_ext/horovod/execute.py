@@ -10,13 +10,8 @@ import torch.distributed as dist
 
 from . import controller as C
 from .exceptions import HorovodInternalError
+from ._torch import all_gather_single, reduce_scatter_single
 
-_JOIN_UNSUPPORTED = {
-    C.ALLGATHER: "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if using DistributedOptimizer",
-    C.ALLTOALL: "Alltoall is not supported with Join at this time.",
-    C.BROADCAST: "Broadcast is not supported with Join at this time.",
-    C.REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
-}
 _REDUCE = {1: dist.ReduceOp.SUM, 3: dist.ReduceOp.MIN, 4: dist.ReduceOp.MAX, 5: dist.ReduceOp.PRODUCT}
 _FUSABLE = (C.ALLREDUCE, C.ADASUM, C.ALLGATHER)
 
@@ -110,8 +105,8 @@ def run(ctrl, ready: list, tl) -> None:
             responses.append([kind, h, recs, None])
             continue
         err = None
-        if ctrl.joined and kind in _JOIN_UNSUPPORTED:
-            err = _JOIN_UNSUPPORTED[kind]
+        if ctrl.joined and kind in C.JOIN_UNSUPPORTED:
+            err = C.JOIN_UNSUPPORTED[kind]
         elif kind in (C.ALLGATHER, C.ALLTOALL) and _ndim(recs[min(recs)]) == 0:
             err = f"Process-set rank zero tried to {C.KIND_NAMES[kind]} a rank-zero tensor."
         responses.append([kind, h, recs, err])
@@ -265,14 +260,16 @@ def _allreduce(ctrl, bucket, reqs) -> None:
     kind = bucket[0][0]
     if kind == C.ALLREDUCE and op == 0:  # Average: the sum times postscale / set size
         post = post / ctrl.size
-    # The buffer the collective runs on: the tensor itself (in place) or a copy whose views are
-    # the results; a fused buffer for several, copied back into in-place tensors at the end.
+    # The buffer the collective runs on: the tensor itself (in place) or a new tensor that is the
+    # result (Horovod returns new tensors, never views); a fused buffer for several, copied out
+    # into in-place tensors and new results at the end.
     if len(bucket) == 1 and reqs[0] is not None:
         r = reqs[0]
-        buf = r.tensor.view(-1) if r.output is r.tensor else r.tensor.reshape(-1).clone()
+        out = r.tensor if r.output is r.tensor else r.tensor.clone(memory_format=torch.contiguous_format)
+        buf = out.view(-1)
         _reduce(ctrl, buf, [buf.numel()], kind, op, pre, post)
         if r.output is None:
-            r.result = buf.view(r.tensor.shape)
+            r.result = out
         return
     ins = [r.tensor.reshape(-1) if r is not None else _joined_zeros(ctrl, resp[2][min(resp[2])])
            for r, resp in zip(reqs, bucket)]
@@ -280,17 +277,18 @@ def _allreduce(ctrl, bucket, reqs) -> None:
     buf = torch.cat(ins) if len(ins) > 1 else ins[0].clone()
     _reduce(ctrl, buf, sizes, kind, op, pre, post)
     parts = buf.split(sizes)
-    inplace_dst, inplace_src = [], []
+    dst, src = [], []
     for r, part in zip(reqs, parts):
         if r is None:
             continue
         if r.output is None:
-            r.result = part.view(r.tensor.shape)
+            r.result = torch.empty_like(r.tensor, memory_format=torch.contiguous_format)
+            dst.append(r.result.view(-1))
         else:
-            inplace_dst.append(r.output.view(-1))
-            inplace_src.append(part)
-    if inplace_dst:
-        torch._foreach_copy_(inplace_dst, inplace_src)
+            dst.append(r.output.view(-1))
+        src.append(part)
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def _reduce(ctrl, buf, sizes, kind, op, pre, post) -> None:
@@ -308,34 +306,37 @@ def _allgather(ctrl, bucket, reqs) -> None:
     """Ranks' first dimensions may differ: each member's contributions of all the bucket's
     tensors go in one padded block, one all_gather, then each output is cut out of the blocks."""
     size = ctrl.size
-    counts = []  # per tensor: elements each member contributes
+    counts, rows = [], []  # per tensor: elements each member contributes, rows of the result
     for resp, r in zip(bucket, reqs):  # every member sent each one (no allgather while joined)
         counts.append([resp[2][m][4] * r.rowsize for m in range(size)])
+        rows.append(sum(resp[2][m][4] for m in range(size)))
     per_member = [sum(c[m] for c in counts) for m in range(size)]
     block = max(per_member)
     mine = [r.tensor.reshape(-1) for r in reqs]
     dtype, device = reqs[0].tensor.dtype, reqs[0].tensor.device
     if len(bucket) == 1 and len(set(per_member)) == 1:
-        out = torch.empty(block * size, dtype=dtype, device=device)
-        if size > 1:
-            dist.all_gather_into_tensor(out, mine[0], group=ctrl.group)
-        else:
-            out.copy_(mine[0])
         r = reqs[0]
-        r.result = out.view((-1,) + tuple(r.tensor.shape[1:]))
+        rest = tuple(r.tensor.shape[1:])
+        out = torch.empty((rows[0],) + rest, dtype=dtype, device=device)
+        if size > 1:
+            all_gather_single(out.view(-1), mine[0], group=ctrl.group)
+        else:
+            out.view(-1).copy_(mine[0])
+        r.result = out
         return
     send = torch.empty(block, dtype=dtype, device=device)
     if mine:
         torch.cat(mine, out=send[:per_member[ctrl.me]])
     recv = torch.empty(block * size, dtype=dtype, device=device)
-    dist.all_gather_into_tensor(recv, send, group=ctrl.group)
+    all_gather_single(recv, send, group=ctrl.group)
     offsets = [m * block for m in range(size)]
     for t, (r, c) in enumerate(zip(reqs, counts)):
         pieces = []
         for m in range(size):
             pieces.append(recv[offsets[m]:offsets[m] + c[m]])
             offsets[m] += c[m]
-        r.result = torch.cat(pieces).view((-1,) + tuple(r.tensor.shape[1:]))
+        r.result = torch.empty((rows[t],) + tuple(r.tensor.shape[1:]), dtype=dtype, device=device)
+        torch.cat(pieces, out=r.result.view(-1))
 
 
 def _broadcast(ctrl, r) -> None:
@@ -383,7 +384,7 @@ def _reducescatter(ctrl, resp, r) -> None:
         out = inp.clone() if inp is t else inp
     elif extra == 0:
         out = torch.empty((d,) + rest, dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, inp.contiguous(), group=ctrl.group)
+        reduce_scatter_single(out, inp.contiguous(), group=ctrl.group)
     else:
         padded = torch.zeros((size * (d + 1),) + rest, dtype=t.dtype, device=t.device)
         off = 0
@@ -391,7 +392,7 @@ def _reducescatter(ctrl, resp, r) -> None:
             padded[m * (d + 1):m * (d + 1) + rows[m]] = inp[off:off + rows[m]]
             off += rows[m]
         got = torch.empty((d + 1,) + rest, dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(got, padded, group=ctrl.group)
-        out = got[:rows[ctrl.me]]
+        reduce_scatter_single(got, padded, group=ctrl.group)
+        out = got[:rows[ctrl.me]].clone() if rows[ctrl.me] < d + 1 else got
     _scale(out, post)
     r.result = out

@@ -10,6 +10,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from .basics import STATE, _check
+from ._torch import all_gather_single
 
 
 class ProcessSet:
@@ -209,7 +210,7 @@ def _agree(ranks: list[int], what: str) -> None:
         return
     mine = torch.tensor([len(ranks), hash(tuple(ranks)) & 0x7FFFFFFFFFFF], dtype=torch.int64)
     every = torch.empty(2 * STATE.size, dtype=torch.int64)
-    dist.all_gather_into_tensor(every, mine, group=STATE.admin)
+    all_gather_single(every, mine, group=STATE.admin)
     pairs = every.view(-1, 2).tolist()
     if len({p[0] for p in pairs}) > 1:
         raise ValueError(f"Attempted to {what} with mismatching size on different ranks")
