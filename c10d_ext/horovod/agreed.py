@@ -177,7 +177,7 @@ def _cycle_now(ctrl, tensors, inplace, names, op, post):
 
 def _cycled(ctrl) -> None:
     ctrl.cycles += 1
-    ctrl.last_cycle = time.monotonic()
+    ctrl.last_cycle = ctrl.last_beat = time.monotonic()
 
 
 def run_list(ctrl, tensors, inplace, names, op, post):

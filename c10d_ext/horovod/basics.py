@@ -53,6 +53,7 @@ class _State:
         self.failed_group = None  # the group that saw it: the survivors meet through its store
         self.failed_default = None  # the default group then (shrunk by the next init)
         self.timeout = timedelta(minutes=30)
+        self.group_timeout = None  # Horovod's groups' op timeout: the default group's (init)
         self.atexit = False
         # The job's store (a TCPStore; its server, where this process hosts it, stays up while
         # Horovod resets): later default groups are made on it, and processes join through it.
@@ -104,6 +105,16 @@ def _make_default_group() -> None:
     store = dist.TCPStore(addr, port, size, is_master=(rank == 0), timeout=_timeout())
     dist.init_process_group("myccl", store=store, rank=rank, world_size=size)
     s.job_store = store
+
+
+def _world_timeout() -> timedelta | None:
+    """The default group's op timeout (what init_process_group or torchrun was given): Horovod's
+    groups wait on a peer as long as the job's own collectives do. None: torch's default."""
+    try:
+        t = dist.group.WORLD._get_backend(torch.device("cpu")).timeout
+    except Exception:  # noqa: BLE001 - not a myccl default group
+        t = getattr(getattr(dist.group.WORLD, "options", None), "_timeout", None)
+    return t if isinstance(t, timedelta) else None
 
 
 def _raw_store(store):
@@ -208,12 +219,13 @@ def init(comm=None, process_sets=None) -> None:
         s.rank = ranks.index(me)
         s.size = len(ranks)
         s.timeout = _timeout()
+        s.group_timeout = _world_timeout()
         from .elastic import join
 
         join.publish_member()  # (before the first collective: rank 0's next commit finds every name)
         local = len(ranks) != world
-        s.group = dist.new_group(ranks, backend="myccl", use_local_synchronization=local)
-        s.admin = dist.new_group(ranks, backend="myccl", use_local_synchronization=local)
+        s.group = dist.new_group(ranks, backend="myccl", use_local_synchronization=local, timeout=s.group_timeout)
+        s.admin = dist.new_group(ranks, backend="myccl", use_local_synchronization=local, timeout=s.group_timeout)
         _topology(s.admin, ranks)
         if os.environ.get("HOROVOD_ELASTIC") == "1":
             launch_env.export_topology(os.environ, s.rank, s.size, s.local_rank, s.local_size, s.cross_rank,

@@ -30,6 +30,7 @@ from .. import _C as _ext
 from . import agreed
 from .basics import STATE
 from .exceptions import SHUT_DOWN, HorovodInternalError
+from .stall import StallInspector
 from ._torch import all_gather_single
 
 log = logging.getLogger("c10d_ext.horovod")
@@ -46,6 +47,11 @@ DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 SLOTS = 64  # requests a member announces per cycle (more go in the next, at once)
 FIELDS = 8  # int64 per record
 HEADER = 3  # count, flags, the key of the pending list the member runs in this cycle (agreed.flush)
+MORE, STALLED, LEAVING = 2, 4, 8  # header flags: more queued, a stall past the shutdown time, shutting down
+# An idle member still cycles this often (Horovod's background loop cycles on idle ranks too), so
+# a member busy outside Horovod (evaluation, a checkpoint) never leaves a peer's cycle waiting
+# on it past the group's timeout; the stall inspector warns of what waits instead.
+HEARTBEAT_SECONDS = 1.0
 
 
 _HASHES: dict = {}  # names and signatures repeat every step: hash each once
@@ -168,21 +174,6 @@ class Announced:
         self.since = time.monotonic()
 
 
-def _env_seconds(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-STALL_WARNING = (
-    "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and "
-    "are waiting for remainder of ranks for more than {} seconds. This may indicate that different "
-    "ranks are trying to submit different tensors or that only subset of ranks is submitting tensors, "
-    "which will cause deadlock. \nMissing ranks:\n{}"
-)
-
-
 def _threshold() -> int:
     try:
         return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024))
@@ -227,15 +218,8 @@ class SetController(threading.Thread):
         self.rounds = 0
         self.asleep = False  # this set's thread waits until told (_loop)
         self.list_agreed = False  # every member announced the same pending list's key (_negotiate)
-        # Horovod's stall inspector: a warning on the set's rank 0, and optionally a shutdown
-        self.stall_check = _env_seconds("HOROVOD_STALL_CHECK_DISABLE", 0) <= 0
-        self.stall_warn = _env_seconds("HOROVOD_STALL_CHECK_TIME_SECONDS", 60)
-        self.stall_shutdown = _env_seconds("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0)
-        if 0 < self.stall_shutdown < self.stall_warn:
-            log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.")
-            self.stall_shutdown = 0
-        self.last_stall_check = time.monotonic()
-        self.stalled = False  # this rank saw a request wait past the shutdown time
+        self.stalls = StallInspector()  # a warning on the set's rank 0, and optionally a shutdown
+        self.leaving = False  # this member's last cycle: it shuts down (_leave)
         self.cycle_time = _cycle_seconds()
         # The agreed all_reduce (one host, shared memory): None until the set's first cycle has
         # made its CPU engine on every member, then the same answer on all of them.
@@ -245,7 +229,8 @@ class SetController(threading.Thread):
         self.no_offer = torch.zeros(1)
         self.backend = None  # the group's myccl backend, once agreed_ok is known
         self.driver = threading.Lock()  # held by whoever runs a cycle
-        self.last_cycle = 0.0  # when the last cycle began (monotonic)
+        self.last_cycle = 0.0  # when the last cycle with work began (monotonic)
+        self.last_beat = 0.0  # when the last cycle of any kind began: the first runs at once
         self.progress = True  # the last cycle announced or ran something
         self.others_more = False  # some member has more queued than one cycle announces
         # The cycle's message and what it gathers, as Python arrays that tensors view: records
@@ -310,6 +295,7 @@ class SetController(threading.Thread):
 
     def _loop(self) -> None:
         while True:
+            beat = False
             with self.cond:
                 while not (self.stopping or self.failed):
                     if self.held.has_sealed:
@@ -328,58 +314,85 @@ class SetController(threading.Thread):
                             break
                         self.cond.wait(pause)
                         continue
-                    # Idle. While the set was used lately, this thread looks again every
-                    # PENDING_IDLE cycle times, so that a pending list that begins meanwhile is
-                    # timed without waking it from its first op (agreed.added): a wake would cost
-                    # that op a thread switch. Idle longer, it sleeps until told.
-                    if time.monotonic() - self.last_cycle < agreed.AWAKE_SECONDS:
+                    # Idle: a heartbeat cycle once a second (HEARTBEAT_SECONDS). While the set
+                    # was used lately, this thread also looks again every PENDING_IDLE cycle
+                    # times, so that a pending list that begins meanwhile is timed without waking
+                    # it from its first op (agreed.added): a wake would cost that op a thread
+                    # switch. Idle longer, it sleeps until told or until the next heartbeat.
+                    now = time.monotonic()
+                    beat = self.size > 1 and now >= self.last_beat + HEARTBEAT_SECONDS
+                    if beat:
+                        break
+                    if now - self.last_cycle < agreed.AWAKE_SECONDS:
                         self.cond.wait(agreed.PENDING_IDLE * self.cycle_time)
                         continue
                     self.asleep = True
                     if agreed.pending_due(self) == math.inf:  # (a timed list begun before this line was not told)
-                        self.cond.wait()
+                        beat_in = self.last_beat + HEARTBEAT_SECONDS - now
+                        self.cond.wait(beat_in if self.size > 1 and beat_in != math.inf else None)
                     self.asleep = False
                 if self.stopping or self.failed:
                     break
             with self.driver:
-                if not self.step():
+                if not self.step(beat=beat):
                     return
         if not self.failed:
+            self._leave()
             self._fail(HorovodInternalError(SHUT_DOWN), stopping=True)
 
-    def step(self, waiter: bool = False) -> bool:
-        """One cycle, run by whoever holds ``driver``: this thread, or a caller waiting on an op
-        (`waiter`; which saves two thread switches per op). False once the set failed."""
+    def _leave(self) -> None:
+        """The set stops on this member (hvd.shutdown): one last cycle tells the others, whose
+        sets then stop too (their ops fail with Horovod's shut-down error, not as a lost peer).
+        A member that is busy takes part through its heartbeat."""
+        if self.size == 1:
+            return
+        self.leaving = True
         try:
-            return self._step(waiter)
+            with self.driver, torch.no_grad():
+                self._cycle([], False, beat=True)
+        except BaseException:  # noqa: BLE001 - a peer that is gone already: nothing to tell
+            pass
+
+    def step(self, waiter: bool = False, beat: bool = False) -> bool:
+        """One cycle, run by whoever holds ``driver``: this thread, or a caller waiting on an op
+        (`waiter`; which saves two thread switches per op). `beat`: a heartbeat is due, so the
+        cycle runs even with nothing to announce. False once the set failed."""
+        try:
+            return self._step(waiter, beat)
         finally:
             with self.cond:
                 self._reopen()
 
-    def _step(self, waiter: bool) -> bool:
+    def _step(self, waiter: bool, beat: bool = False) -> bool:
         held = self.held
         with self.cond:
-            if self.failed or self.stopping or not self._has_work():
+            if self.failed or self.stopping:
                 return not self.failed
-            deferred = held.take(False)  # a sealed list filled a fusion buffer: it runs first
-            if deferred is None:
-                if held.has_open and not waiter and not self._requests() and time.monotonic() < agreed.pending_due(self):
-                    return True  # nobody waits on the pending list and it is not due: _loop times it
-                if not held.has_open and not self.queue and not self.progress and not self.others_more:
-                    # Requests wait on peers and nothing changed: one cycle time, or new work.
-                    self.cond.wait(self.cycle_time)
-                    if self.stopping or not self._requests():
-                        return True  # (a pending list that came meanwhile runs when due: _loop)
-                deferred = held.take(True)  # before anything queued: it came first
+            if not self._has_work():
+                if not beat or time.monotonic() < self.last_beat + HEARTBEAT_SECONDS:
+                    return True
+                batch, more, deferred = [], False, None  # the heartbeat: a cycle announcing nothing
+            else:
+                deferred = held.take(False)  # a sealed list filled a fusion buffer: it runs first
                 if deferred is None:
-                    batch = self.queue[:SLOTS]
-                    del self.queue[:SLOTS]
-                    more = bool(self.queue)
+                    if (held.has_open and not waiter and not self._requests()
+                            and time.monotonic() < agreed.pending_due(self)):
+                        return True  # nobody waits on the pending list and it is not due: _loop times it
+                    if not held.has_open and not self.queue and not self.progress and not self.others_more:
+                        # Requests wait on peers and nothing changed: one cycle time, or new work.
+                        self.cond.wait(self.cycle_time)
+                        if self.stopping or not self._requests():
+                            return True  # (a pending list that came meanwhile runs when due: _loop)
+                    deferred = held.take(True)  # before anything queued: it came first
+                    if deferred is None:
+                        batch = self.queue[:SLOTS]
+                        del self.queue[:SLOTS]
+                        more = bool(self.queue)
         if deferred is not None:
             agreed.flush(self, deferred)
             return self.failed is None
         try:
-            self.progress, self.others_more = self._cycle(batch, more)
+            self.progress, self.others_more = self._cycle(batch, more, beat=not batch and beat)
             return True
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.fail_with(e)
@@ -432,9 +445,13 @@ class SetController(threading.Thread):
         if not stopping:
             log.warning("hvd: process set %d failed: %s", self.entry.id, error)
 
-    def _cycle(self, batch: list[Request], more: bool) -> tuple[bool, bool]:
+    def _cycle(self, batch: list[Request], more: bool, beat: bool = False) -> tuple[bool, bool]:
+        """One cycle: the agreed step where the set has it, then the negotiation if it said no.
+        `beat`: a heartbeat, which does not count as use of the set (_loop)."""
         self.cycles += 1
-        self.last_cycle = time.monotonic()
+        self.last_beat = time.monotonic()
+        if not beat:
+            self.last_cycle = self.last_beat
         tl = TIMELINE[0] if STATE.rank == 0 else None
         if tl is not None:
             tl.mark_cycle_start()
@@ -460,7 +477,7 @@ class SetController(threading.Thread):
             recs.append(self.join_req.record())
         m = self.msg_arr
         m[0] = len(recs)
-        m[1] = (2 if more else 0) | (4 if self.stalled else 0)
+        m[1] = (MORE if more else 0) | (STALLED if self.stalls.stalled else 0) | (LEAVING if self.leaving else 0)
         m[2] = list_key
         if recs:
             m[HEADER:HEADER + len(recs) * FIELDS] = array("q", [x for rec in recs for x in rec])
@@ -499,14 +516,17 @@ class SetController(threading.Thread):
                     tl.negotiate_rank_ready(self.mine[rec[0]].name, member)
         if self.agreed_ok is None:  # the set's first cycle (it made the group's CPU engine)
             self._agree_settings()
-        others_more = any(f & 2 for f in flags)
-        if any(f & 4 for f in flags):  # some member saw a stall past the shutdown time: all stop
+        others_more = any(f & MORE for f in flags)
+        if any(f & LEAVING for f in flags) and not self.leaving:  # a member shut Horovod down: all stop
+            err = HorovodInternalError(SHUT_DOWN)
+            err.peer_lost = False  # it left in order: the next init needs no shrink
+            raise err
+        if any(f & STALLED for f in flags):  # some member saw a stall past the shutdown time: all stop
             err = HorovodInternalError(f"{SHUT_DOWN} (a request waited on other ranks for longer than "
-                                       f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.stall_shutdown})")
+                                       f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.stalls.shutdown_after})")
             err.peer_lost = False  # every member is there: the next init needs no shrink
             raise err
-        if self.stall_check and self.table:
-            self._inspect_stalls()
+        self.stalls.inspect(self)
         needed = self.size - len(self.joined)
         # Ready: announced by every member that has not joined. While a member has joined, an op
         # that cannot run with a joined rank is ready (as Horovod's error) on whoever announced it:
@@ -544,38 +564,6 @@ class SetController(threading.Thread):
             self.fusion_threshold = threshold
             self.held.threshold = threshold
         self.agreed_ok = all(p[1] for p in pairs)
-
-    def _inspect_stalls(self) -> None:
-        """Horovod's stall inspector, per set: every HOROVOD_STALL_CHECK_TIME_SECONDS the set's
-        rank 0 warns of requests that some members sent and others did not, naming the missing
-        ranks (and up to six names each); past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS it says so in
-        that warning and its next cycle tells every member, and all of them fail the set
-        together. Only rank 0 decides, as Horovod's coordinator does, so its warning always
-        comes before the shutdown."""
-        now = time.monotonic()
-        if now - self.last_stall_check < self.stall_warn:
-            return
-        self.last_stall_check = now
-        late = [(h, e) for h, e in self.table.items() if now - e.since > self.stall_warn]
-        if not late or self.me != 0:  # as Horovod's coordinator: the set's rank 0 inspects and decides
-            return
-        if self.stall_shutdown > 0 and any(now - e.since > self.stall_shutdown for _, e in late):
-            self.stalled = True
-        missing: dict[int, list[str]] = {}
-        for h, e in late:
-            name = self.mine[h].name if h in self.mine else f"<a tensor rank 0 did not submit, hash {h & 0xFFFFFFFF:08x}>"
-            for m in range(self.size):
-                if m not in e.recs and m not in self.joined:
-                    missing.setdefault(m, []).append(name)
-        lines = []
-        for m, names in sorted(missing.items()):
-            shown = ", ".join(names[:6]) + (" ..." if len(names) >= 6 else "")
-            lines.append(f"{self.entry.ranks[m]}{'!' if self.stalled else ''}: [{shown}]")
-        text = STALL_WARNING.format(self.stall_warn, "\n".join(lines))
-        if self.stalled:
-            text += (f"\nOne or more rank (marked by \"!\") is stalled for longer than {self.stall_shutdown} "
-                     "seconds. Will shutdown.")
-        log.warning(text)
 
     def _finish_join(self) -> None:
         last_cycle = max(self.joined.values())

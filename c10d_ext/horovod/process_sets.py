@@ -99,7 +99,7 @@ def _new_group(ranks: list[int]):
     local = len(STATE.torch_ranks) != dist.get_world_size()
     if local and STATE.rank not in ranks:
         return None
-    group = dist.new_group(torch_ranks, backend="myccl", use_local_synchronization=local)
+    group = dist.new_group(torch_ranks, backend="myccl", use_local_synchronization=local, timeout=STATE.group_timeout)
     return group if STATE.rank in ranks else None
 
 
