@@ -33,6 +33,11 @@ _next_handle, reset_handles = _ext._hvd_next_handle, _ext._hvd_reset_handles
 # an unnamed op is named after it, so two threads never share a name.
 def poll(handle: int) -> bool:
     done = _held_poll(handle)
+    if done == 2:  # a held op of an untimed list: now timed, and its set's thread must know
+        for ctrl in list(agreed.OWNERS.values()):
+            with ctrl.cond:
+                ctrl.cond.notify()
+        return False
     if done >= 0:
         return bool(done)
     h = _handles.get(handle)

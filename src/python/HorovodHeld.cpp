@@ -446,12 +446,20 @@ void bindHorovodHeld(py::module& m) {
       });
 
   PyModule_AddFunctions(m.ptr(), gFast);  // _hvd_hold, _hvd_result
-  // poll: 1 done (or failed), 0 not yet, -1 not a held op's handle.
+  // poll: 1 done (or failed), 0 not yet, -1 not a held op's handle, 2 not yet and its list was
+  // untimed (only a synchronize would have run it): from now on it is timed like any other, and
+  // the caller wakes the set's thread to time it. A job that only polls still sees it finish.
   m.def("_hvd_poll", [](int64_t handle) {
     std::lock_guard<std::mutex> g(gMu);
     auto it = gHandles.find(handle);
     if (it == gHandles.end()) return -1;
-    return it->second.first->state >= kDone ? 1 : 0;
+    HeldList& l = *it->second.first;
+    if (l.state >= kDone) return 1;
+    if (l.state == kOpen && l.first == 0) {
+      l.first = l.last = monotonic();
+      return 2;
+    }
+    return 0;
   });
   m.def("_hvd_next_handle", [] {
     std::lock_guard<std::mutex> g(gMu);
