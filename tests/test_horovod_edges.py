@@ -5,6 +5,8 @@ progress, and no torch warning caused by the layer's own calls."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -16,6 +18,24 @@ JOIN_ERRORS = {
     "alltoall": "Alltoall is not supported with Join at this time.",
     "reducescatter": "Reducescatter is not supported with Join at this time.",
 }
+
+
+class Logged(logging.Handler):
+    """`with Logged() as messages:` keeps what c10d_ext.horovod's logger says meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("c10d_ext.horovod").addHandler(self)
+        return self.messages
+
+    def __exit__(self, *exc):
+        logging.getLogger("c10d_ext.horovod").removeHandler(self)
 
 
 # ---- join -----------------------------------------------------------------------------------------
@@ -184,18 +204,17 @@ def test_results_are_new_tensors_as_horovods(run, n):
 
 # ---- one decision per set ---------------------------------------------------------------------------
 def _fusion(ctx, thresholds):
-    import logging
     import os
 
     os.environ["HOROVOD_FUSION_THRESHOLD"] = str(thresholds[ctx.rank])
-    seen = []
+    with Logged() as seen:
+        try:
+            return _fused_values(start(ctx), seen)
+        finally:
+            os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
 
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
 
-    logging.getLogger("c10d_ext.horovod").addHandler(Keep())
-    hvd = start(ctx)
+def _fused_values(hvd, seen):
     r = hvd.rank()
     try:
         ts = [torch.full((64 + k,), float(r + k)) for k in range(8)]
@@ -206,7 +225,6 @@ def _fusion(ctx, thresholds):
         return {"grouped": [x.tolist() for x in grouped], "async": asyncs,
                 "warned": [m for m in seen if "HOROVOD_FUSION_THRESHOLD" in m]}
     finally:
-        os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
         stop(hvd)
 
 
@@ -380,34 +398,25 @@ def test_the_layer_uses_torchs_current_names(run):
 
 # ---- an idle or busy rank ---------------------------------------------------------------------------
 def _busy_rank(ctx, busy_s):
-    import logging
     import os
     import time
 
     import c10d_ext.horovod as hvd
 
-    seen = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    keep = Keep()
-    logging.getLogger("c10d_ext.horovod").addHandler(keep)
     os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"] = "2"
     ctx.init(timeout=5)  # Horovod's groups take the default group's timeout
     hvd.init()
     r = hvd.rank()
     try:
-        if r == 0:
-            time.sleep(busy_s)  # evaluation or a checkpoint: nothing of Horovod's for longer than the timeout
-        h = hvd.allgather_async(torch.full((1,), float(r)), name="late_ag")
-        out = {"allreduce": hvd.allreduce(torch.full((2,), float(r + 1)), op=hvd.Sum, name="late").tolist(),
-               "allgather": hvd.synchronize(h).tolist()}
+        with Logged() as seen:
+            if r == 0:
+                time.sleep(busy_s)  # evaluation or a checkpoint: nothing of Horovod's for longer than the timeout
+            h = hvd.allgather_async(torch.full((1,), float(r)), name="late_ag")
+            out = {"allreduce": hvd.allreduce(torch.full((2,), float(r + 1)), op=hvd.Sum, name="late").tolist(),
+                   "allgather": hvd.synchronize(h).tolist()}
         out["stall_warnings"] = [m for m in seen if "Missing ranks" in m]
         return out
     finally:
-        logging.getLogger("c10d_ext.horovod").removeHandler(keep)
         os.environ.pop("HOROVOD_STALL_CHECK_TIME_SECONDS", None)
         stop(hvd)
 
