@@ -1,11 +1,14 @@
 """Random-row gather from whole-memory tensors, every kind against its limit and its baseline, in
 one run:
 
-- ``index_select`` on a private local copy of the whole table: the limit for the mapped kinds
-  (HOST, CHUNKED), which read shared memory in place;
+- ``index_select`` on a private local copy of the whole table: the limit for the kinds that read
+  shared memory in place (HOST, CHUNKED, and on one host DISTRIBUTED's direct path, where each
+  rank's part lies in shared memory and a gather reads the rows where they lie);
 - the same lookup done by hand on gloo (counts, indices and rows through
   ``dist.all_to_all_single`` on a gloo group, each rank holding its part): the baseline for
-  DISTRIBUTED, which makes the same three exchanges over myccl.
+  DISTRIBUTED's exchange, which makes the same three exchanges over myccl (the path across
+  hosts, and on one host with MYCCL_WM_DIRECT=0). Each path is its own row: the direct path is
+  compared with the private copy, the exchange with gloo's.
 
 Every rank fetches its own random rows (uniform over the table, repeats allowed) of 512 B and
 4 KiB, 1-64 MiB per call; reported is the median over rounds of rank 0's fetched bytes per second,
@@ -92,6 +95,18 @@ def worker(args) -> dict:
             part, first = wm.local_partition(t)
             part.copy_(table[first:first + part.shape[0]])
             tensors[k] = t
+        if hosts == 1:  # DISTRIBUTED's two paths apart: reading parts in place, and the exchange
+            tensors["DISTRIBUTED direct"] = tensors.pop("DISTRIBUTED")
+            os.environ["MYCCL_WM_DIRECT"] = "0"  # (read when a tensor is made, the same on every rank)
+            try:
+                t = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.DISTRIBUTED)
+            finally:
+                del os.environ["MYCCL_WM_DIRECT"]
+            part, first = wm.local_partition(t)
+            part.copy_(table[first:first + part.shape[0]])
+            tensors["DISTRIBUTED exchange"] = t
+        else:
+            tensors["DISTRIBUTED exchange"] = tensors.pop("DISTRIBUTED")
         parts = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.DISTRIBUTED)._meta.parts
         per = parts[0][1]
         gpart = table[parts[rank][0]:parts[rank][0] + parts[rank][1]].clone()
@@ -101,8 +116,8 @@ def worker(args) -> dict:
             idx = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(10 + rank))
             want = table.index_select(0, idx)
             configs = {"index_select (private copy)": lambda: table.index_select(0, idx)}
-            for k in kinds:
-                configs[f"{k} gather"] = (lambda t=tensors[k]: wm.gather(t, idx))
+            for k, t in tensors.items():
+                configs[f"{k} gather"] = (lambda t=t: wm.gather(t, idx))
             configs["gloo lookup (by hand)"] = lambda: gloo_lookup(gloo, gpart, [p[0] for p in parts], per, idx)
             times: dict[str, list[float]] = {c: [] for c in configs}
             for name, fn in configs.items():  # warm up and check once
@@ -134,22 +149,28 @@ def report(res: dict, out: str, rate: float | None) -> None:
     print(f"\nrandom-row gather, {res['size']} ranks on {res['hosts']} host(s); GB/s of rows fetched per rank "
           "(median over rounds, rank 0)")
     head = f"{'row':>5} {'fetch':>6} | " + " | ".join(f"{c[:22]:>22}" for c in configs)
-    head += " | HOST/index_select | DISTRIBUTED/gloo"
+    direct = "DISTRIBUTED direct gather" in configs
+    head += " | HOST/index_select" + (" | DISTR. direct/index_select" if direct else "") + " | DISTR. exchange/gloo"
     if rate:
         head += " | link fraction"
     print(head)
     for (rb, fetch), d in sorted(by.items()):
         line = f"{_fmt(rb):>5} {_fmt(fetch):>6} | " + " | ".join(f"{d[c]['gbps']:22.3f}" for c in configs)
-        host = d["HOST gather"]["gbps"] / d["index_select (private copy)"]["gbps"]
-        distr = d["DISTRIBUTED gather"]["gbps"] / d["gloo lookup (by hand)"]["gbps"]
+        limit = d["index_select (private copy)"]["gbps"]
+        host = d["HOST gather"]["gbps"] / limit
         d["HOST gather"]["vs_limit"] = host
-        d["DISTRIBUTED gather"]["vs_gloo"] = distr
-        line += f" | {host:17.2f} | {distr:16.2f}"
+        line += f" | {host:17.2f}"
+        if direct:
+            d["DISTRIBUTED direct gather"]["vs_limit"] = ratio = d["DISTRIBUTED direct gather"]["gbps"] / limit
+            line += f" | {ratio:27.2f}"
+        exchange = d["DISTRIBUTED exchange gather"]["gbps"] / d["gloo lookup (by hand)"]["gbps"]
+        d["DISTRIBUTED exchange gather"]["vs_gloo"] = exchange
+        line += f" | {exchange:20.2f}"
         if rate:
             h, l = res["hosts"], res["size"] // res["hosts"]
             remote = l * fetch * (h - 1) / h  # row bytes into one host per call, as many out
-            frac = remote / rate / d["DISTRIBUTED gather"]["time_s"]
-            d["DISTRIBUTED gather"]["link_fraction"] = frac
+            frac = remote / rate / d["DISTRIBUTED exchange gather"]["time_s"]
+            d["DISTRIBUTED exchange gather"]["link_fraction"] = frac
             line += f" | {frac:13.2f}"
         print(line)
     res["link_rate_bytes_per_s"] = rate
