@@ -86,7 +86,7 @@ def _exchange(op, group, members, index, fd: int, nbytes: int) -> list[tuple[int
     if n == 1:
         return [(-1, nbytes)]
     token = [secrets.token_hex(8) if index == 0 else None]
-    dist.broadcast_object_list(token, src=dist.get_global_rank(group, members[0]), group=group)
+    dist.broadcast_object_list(token, group=group, group_src=members[0])  # (a communicator has no global ranks)
     name = lambda i: f"\0myccl-wm-{token[0]}-{i}"  # noqa: E731 (abstract: no file, gone with the socket)
     timeout = _timeout(group)
     got: list[tuple[int, int] | None] = [None] * n
@@ -131,7 +131,7 @@ def map_region(op, group, members, index, device: int, sizes: list[int], contigu
     try:
         region = _C._SharedRegion(device, sizes[index])
     except RuntimeError as e:
-        error = RuntimeError(f"myccl: {op} (rank {dist.get_rank(group)}): {e}")
+        error = RuntimeError(f"myccl: {op} (rank {group.rank()}): {e}")
     _tensor.agree_on_error(op, group, error, "rank {rank} could not make its device memory (its error says why)",
                    RuntimeError)
     fd = region.export_fd()

@@ -15,7 +15,6 @@ import os
 import re
 
 import torch
-import torch.distributed as dist
 
 from .tensor import WmTensorType, agree_on_error, local_partition, meta_of
 
@@ -57,7 +56,7 @@ def save_to_files(t, prefix: str) -> None:
                 f.write(_as_bytes(rows))
             os.replace(path + ".tmp", path)
         except OSError as e:
-            error = OSError(f"myccl: save_to_files (rank {dist.get_rank(m.group)}): {e}")
+            error = OSError(f"myccl: save_to_files (rank {m.group.rank()}): {e}")
     _agree("save_to_files", m.group, error)
 
 
@@ -96,7 +95,7 @@ def load_from_files(t, prefix: str, part_count: int | None = None) -> None:
         rows, first = local_partition(t)
         _read_rows(files, sizes, rb, first, rows)
     except (OSError, ValueError) as e:
-        error = type(e)(f"myccl: {op} (rank {dist.get_rank(m.group)}): {e}")
+        error = type(e)(f"myccl: {op} (rank {m.group.rank()}): {e}")
     _agree(op, m.group, error)
 
 

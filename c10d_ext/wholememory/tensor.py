@@ -25,11 +25,12 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import comm as comm_mod
 from . import device as device_mod
 
 __all__ = ["WmTensorType", "ChunkedTensor", "DistributedTensor", "NCCLTensor", "create_wm_tensor",
-           "get_tensor_view", "local_partition", "init_lib", "finalize_lib", "get_partition_plan",
-           "get_wm_tensor_type", "is_wm_tensor"]
+           "get_tensor_view", "local_partition", "get_partition_plan", "get_wm_tensor_type", "is_wm_tensor",
+           "get_wm_communicator", "get_local_tensor"]
 
 _DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
            torch.float32, torch.float64)
@@ -45,21 +46,26 @@ class WmTensorType(enum.Enum):
     NCCL = 3
 
 
-def _rank(group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+def _rank(group) -> int | None:
+    """This process's rank in ``group`` (None: the default group; None without one). The group's
+    own rank(): torch's get_rank needs a default group, which a communicator does without."""
+    if isinstance(group, dist.ProcessGroup):
+        return group.rank()
+    return dist.get_rank() if dist.is_initialized() else None
 
 
 def fail(op: str, group, text: str, exc=ValueError):
     """Raises the project's error form: the op, this rank (in the group) and what is wrong."""
-    raise exc(f"myccl: {op} (rank {_rank(group)}): {text}")
+    rank = _rank(group)
+    raise exc(f"myccl: {op}{'' if rank is None else f' (rank {rank})'}: {text}")
 
 
 def agree_on_error(op: str, group, error: BaseException | None, others: str, exc=ValueError) -> None:
     """Collective: every rank learns whether any rank failed before a step all must take together.
     The rank that failed raises its own error; the others raise ``others`` (with ``{rank}``, the
     first rank that failed), so none waits in a step the others skip."""
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32)
-    flags[dist.get_rank(group)] = error is not None
+    flags = torch.zeros(group.size(), dtype=torch.int32)
+    flags[group.rank()] = error is not None
     dist.all_reduce(flags, group=group)
     if error is not None:
         raise error
@@ -261,7 +267,7 @@ def _topology(group):
 
     be = _myccl_backend(group)
     hosts = be.host_of_rank  # group rank -> host index
-    me = dist.get_rank(group)
+    me = group.rank()
     members = [r for r, h in enumerate(hosts) if h == hosts[me]]
     return be, members, members.index(me), hosts[me], max(hosts) + 1
 
@@ -282,7 +288,8 @@ def _resolve_kind(kind) -> WmTensorType:
 def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.float32,
                      wm_tensor_type=WmTensorType.CHUNKED, *, shape=None, stride=None, dtype=None, kind=None,
                      device=None):
-    """Collective over ``group`` (None: the default group): every rank passes the same shape,
+    """Collective over ``group`` (a communicator from create_communicator, a torch process group, or
+    None: the default group): every rank passes the same shape,
     stride, dtype and kind. Returns a CPU tensor (HOST), a ChunkedTensor or a DistributedTensor.
     The keywords shape=, stride=, dtype=, kind= name the last four too. ``device`` places a
     DISTRIBUTED tensor's parts (default: this process's current CUDA device where CUDA is
@@ -292,9 +299,7 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
     tensor_dtype = dtype if dtype is not None else tensor_dtype
     wm_tensor_type = kind if kind is not None else wm_tensor_type
     op = "create_wm_tensor"
-    if not dist.is_initialized():
-        raise RuntimeError(f"myccl: {op}: no process group: call dist.init_process_group('myccl') first")
-    group = group if group is not None else dist.group.WORLD
+    group = comm_mod.resolve_group(op, group)
     kind = _resolve_kind(wm_tensor_type)
     if sizes is None:
         fail(op, group, "shape is required")
@@ -310,7 +315,7 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
     _agree(op, group, (kind.value, shape, stride, str(tensor_dtype), "host" if cuda is None else "cuda"), error)
     storage_rows = shape[0] * stride[0]
     if kind is WmTensorType.DISTRIBUTED:
-        n, me = dist.get_world_size(group), dist.get_rank(group)
+        n, me = group.size(), group.rank()
         meta = _Meta(kind, group, shape, stride, tensor_dtype, list(range(n)), me, 0, 1)
         where = _device(op, group, device)
         be = _one_host_backend(group) if where.type == "cpu" else None
@@ -360,7 +365,7 @@ def _one_host_backend(group):
     from .. import _C
     from ..config import parse_env
 
-    if not parse_env()["wm_direct"] or dist.get_world_size(group) == 1:
+    if not parse_env()["wm_direct"] or group.size() == 1:
         return None
     be = group._get_backend(torch.device("cpu"))
     ok = isinstance(be, _C.MycclBackend) and be.cross_size == 1 and be.uses_shared_memory
@@ -376,7 +381,7 @@ def _device(op, group, device) -> torch.device:
         if device.type not in ("cpu", "cuda"):
             fail(op, group, f"device must be a CPU or CUDA device, got {device}")
         return device
-    if torch.cuda.is_available() and dist.get_backend(group) in ("myccl", "nccl"):
+    if torch.cuda.is_available() and comm_mod.backend_name(group) in ("myccl", "nccl"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -385,11 +390,11 @@ def _agree(op, group, what, error: BaseException | None = None) -> None:
     """Every rank must ask for the same tensor and be able to place it, in one exchange: a rank
     that could not raises its own ``error`` and the others name it; a mismatch is an error on
     every rank."""
-    if dist.get_world_size(group) == 1:
+    if group.size() == 1:
         if error is not None:
             raise error
         return
-    got = [None] * dist.get_world_size(group)
+    got = [None] * group.size()
     dist.all_gather_object(got, (what, error is not None), group=group)
     if error is not None:
         raise error
@@ -415,11 +420,31 @@ def local_partition(t):
     return t.narrow(0, first, count), first
 
 
-def get_partition_plan(t) -> tuple[int, int, int, int]:
-    """(first row, rows, rows per part, total rows) of this rank's part."""
-    m = meta_of(t, "get_partition_plan")
+def get_partition_plan(t, total_entry_count: int | None = None) -> tuple[int, int, int, int]:
+    """(first row, rows, rows per part, total rows) of this rank's part of a whole-memory tensor,
+    or, given a communicator (or group) and ``total_entry_count``, of that many rows split over it."""
+    op = "get_partition_plan"
+    if isinstance(t, dist.ProcessGroup):
+        group = comm_mod.check_communicator(op, t)
+        if isinstance(total_entry_count, bool) or not isinstance(total_entry_count, int) or total_entry_count < 0:
+            fail(op, group, f"a communicator's plan needs total_entry_count, a count >= 0; got {total_entry_count!r}")
+        first, count = split_rows(total_entry_count, group.size())[group.rank()]
+        return first, count, -(-total_entry_count // group.size()), total_entry_count
+    m = meta_of(t, op)
+    if total_entry_count is not None and total_entry_count != m.rows:
+        fail(op, m.group, f"total_entry_count {total_entry_count!r} differs from the tensor's {m.rows} rows")
     first, count = m.parts[m.index]
     return first, count, -(-m.rows // len(m.members)), m.rows
+
+
+def get_wm_communicator(t):
+    """The communicator (or group) a whole-memory tensor was made on."""
+    return meta_of(t, "get_wm_communicator").group
+
+
+def get_local_tensor(t) -> torch.Tensor:
+    """This rank's rows of a whole-memory tensor (its part, as local_partition)."""
+    return local_partition(t)[0]
 
 
 def get_wm_tensor_type(t) -> WmTensorType:
@@ -465,11 +490,3 @@ def _host_view(m: _Meta, host: torch.Tensor, cuda: int) -> torch.Tensor:
     m.host_tensor, m.view, m.view_device = host, weakref.ref(view), cuda
     _track(view, m, host)
     return view
-
-
-def init_lib() -> None:
-    """WholeMemory's library setup: nothing to do over torch.distributed."""
-
-
-def finalize_lib() -> None:
-    """WholeMemory's teardown: nothing to do (memory goes with its last reference)."""
