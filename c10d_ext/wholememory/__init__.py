@@ -14,7 +14,7 @@ from .access import gather, scatter
 from .comm import (Communicator, barrier, broadcast_unique_id_array, broadcast_unique_id_array_by_continuous_group,
                    create_communicator, create_global_communicator, create_intra_node_communicator,
                    destroy_communicator, finalize_lib, get_rank, get_size, get_unique_id, init_lib)
-from .files import load_from_files, part_file_name, save_to_files
+from .files import create_wm_tensor_from_file, load_from_files, part_file_name, save_to_files
 from .tensor import (ChunkedTensor, DistributedTensor, NCCLTensor, WmTensorType, create_wm_tensor,
                      get_local_tensor, get_partition_plan, get_tensor_view, get_wm_communicator,
                      get_wm_tensor_type, is_wm_tensor, local_partition)
@@ -22,7 +22,7 @@ from .tensor import (ChunkedTensor, DistributedTensor, NCCLTensor, WmTensorType,
 __all__ = ["WmTensorType", "ChunkedTensor", "DistributedTensor", "NCCLTensor", "create_wm_tensor",
            "get_tensor_view", "local_partition", "get_partition_plan", "get_wm_tensor_type", "is_wm_tensor",
            "get_wm_communicator", "get_local_tensor", "init_lib", "finalize_lib", "gather", "scatter",
-           "load_from_files", "save_to_files", "part_file_name",
+           "load_from_files", "save_to_files", "part_file_name", "create_wm_tensor_from_file",
            "Communicator", "get_unique_id", "create_communicator", "destroy_communicator", "get_rank", "get_size",
            "barrier", "broadcast_unique_id_array", "broadcast_unique_id_array_by_continuous_group",
            "create_global_communicator", "create_intra_node_communicator"]

@@ -6,17 +6,22 @@ columns (stride padding is not written); the files of a set concatenated in orde
 A load reads any set whose rows add up to the tensor's, whatever its n: each rank reads the pieces
 of the files that overlap its rows. Both are collective over the tensor's group and end with an
 agreement, so a rank that failed (a missing file, a short read) makes every rank raise.
+
+create_wm_tensor_from_file makes a tensor holding a file's (or a file set's) elements, the seed
+API's way to load a table that has no tensor yet.
 """
 
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 
 import torch
 
-from .tensor import WmTensorType, agree_on_error, local_partition, meta_of
+from . import comm as comm_mod
+from .tensor import WmTensorType, agree_on_error, create_wm_tensor, local_partition, meta_of
 
 
 def part_file_name(prefix: str, i: int, n: int) -> str:
@@ -124,3 +129,47 @@ def _read_rows(files, sizes, rb: int, first: int, dest: torch.Tensor) -> None:
         at += size
     if buf is not dest:
         dest.copy_(buf)
+
+
+def _source_files(path: str, part_count: int) -> list[str]:
+    """part_count 0: the file ``path`` itself, else (where there is none) the one complete set
+    ``path_part_<i>_of_<n>``; part_count n > 0: that set."""
+    if part_count == 0 and os.path.isfile(path):
+        return [path]
+    return _file_set(path, part_count or None)
+
+
+def create_wm_tensor_from_file(shape, dtype, wm_comm, filename: str, wm_tensor_type=WmTensorType.CHUNKED,
+                               part_count: int = 0):
+    """Collective over ``wm_comm``: a new whole-memory tensor of ``dtype`` holding the elements of
+    ``filename`` (raw, native byte order), each rank reading only its own rows. ``shape`` [] makes
+    it 1-D, one row per element; otherwise the files must hold exactly its elements. part_count as
+    described in _source_files."""
+    op = "create_wm_tensor_from_file"
+    group = comm_mod.resolve_group(op, wm_comm)
+    error, files, sizes = None, [], []
+    try:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if isinstance(part_count, bool) or not isinstance(part_count, int) or part_count < 0:
+            raise ValueError(f"part_count must be an int >= 0, got {part_count!r}")
+        files = _source_files(filename, part_count)
+        sizes = [os.path.getsize(p) for p in files]
+        for p, n in zip(files, sizes):
+            if n % dtype.itemsize:
+                raise ValueError(f"{p} has {n} bytes, not a whole number of {dtype} elements")
+        count = sum(sizes) // dtype.itemsize
+        shape = [int(d) for d in shape] if shape is not None and len(shape) else [count]
+        if math.prod(shape) != count:
+            raise ValueError(f"shape {shape} has {math.prod(shape)} elements, the files of {filename} hold {count}")
+    except (OSError, ValueError, TypeError) as e:
+        error = type(e)(f"myccl: {op} (rank {group.rank()}): {e}")
+    agree_on_error(op, group, error, "rank {rank} cannot read the files (its error says why)", OSError)
+    t = create_wm_tensor(group, shape, [], dtype, wm_tensor_type)
+    try:  # (a HOST tensor: every host fills its own copy)
+        rows, first = local_partition(t)
+        _read_rows(files, sizes, _row_bytes(meta_of(t, op)), first, rows)
+    except OSError as e:
+        error = OSError(f"myccl: {op} (rank {group.rank()}): {e}")
+    agree_on_error(op, group, error, "rank {rank} failed to read its rows (its error says why)", OSError)
+    return t
