@@ -237,9 +237,9 @@ def body_bad_id(ctx):
         _expect(rep, lambda: wm.create_wm_tensor(None, [4], [], torch.float32, wm.WmTensorType.HOST),
                 RuntimeError, "create_wm_tensor", "create_communicator", what="create_wm_tensor without any group")
         # a rank passes size and rank that are not ints: its own error, before any meeting
-        _expect(rep, lambda: wm.create_communicator("2", uid, r, timeout=5), TypeError, "size", "'2'", where,
+        _expect(rep, lambda: wm.create_communicator("2", uid, r, timeout=30), TypeError, "size", "'2'", where,
                 what="size as a string")
-        _expect(rep, lambda: wm.create_communicator(2, uid, True, timeout=5), TypeError, "rank", "True",
+        _expect(rep, lambda: wm.create_communicator(2, uid, True, timeout=30), TypeError, "rank", "True",
                 what="rank as a bool")
     finally:
         wm.finalize_lib()
@@ -299,12 +299,15 @@ def body_reused_id(ctx, where):
     r, n = ctx.rank, ctx.size
     wm.init_lib()
     try:
+        import c10d_ext
+
         uid = share_id(ctx, wm, "file-list", where)
-        comm = wm.create_communicator(n, uid, r, timeout=30)
+        comm = wm.create_communicator(n, uid, r, timeout=30, options=c10d_ext.Options(transport="tcp"))
+        rep.check(not comm._get_backend(torch.device("cpu")).uses_shared_memory, "options= was not applied")
         start = time.monotonic()
         _expect(rep, lambda: wm.create_communicator(n, uid, r, timeout=30), ValueError, f"(rank {r})",
                 "joined this unique id twice", what="an id used twice")
-        rep.check(time.monotonic() - start < 10, "the reused id's error took long")
+        rep.check(time.monotonic() - start < 15, "the reused id's error took long")
         wm.barrier(comm)
         rep.check(wm.get_size(comm) == n, "the first communicator broke")
     finally:
@@ -328,10 +331,11 @@ def body_missing_rank(ctx, where):
     try:
         uid = share_id(ctx, wm, "file-list", where)
         start = time.monotonic()
-        _expect(rep, lambda: wm.create_communicator(n + 1, uid, r, timeout=3), RuntimeError, f"(rank {r})",
+        # (8 s: on some VMs one TCPStore connection in 25 takes 5 s, which the meeting's time includes)
+        _expect(rep, lambda: wm.create_communicator(n + 1, uid, r, timeout=8), RuntimeError, f"(rank {r})",
                 "Timed out", f"[{n}]", what="a rank that never joins")
         took = time.monotonic() - start
-        rep.check(2.5 < took < 10, f"the timeout of 3 s took {took:.1f} s")
+        rep.check(7.5 < took < 20, f"the timeout of 8 s took {took:.1f} s")
     finally:
         meet(ctx, "end")
         wm.finalize_lib()
@@ -356,7 +360,7 @@ def body_gone_maker(ctx):
         start = time.monotonic()
         _expect(rep, lambda: wm.create_communicator(1, uid, 0, timeout=3), RuntimeError, "(rank 0)",
                 "the process that made the unique id", what="an id no process serves")
-        rep.check(time.monotonic() - start < 10, "the error took long")
+        rep.check(time.monotonic() - start < 15, "the error took long")
     finally:
         wm.finalize_lib()
     return rep.result()
@@ -590,3 +594,34 @@ def test_cuda_memory_on_a_communicator(run, mode):
     from test_cuda import DOUBLE, SHARED_GPU
 
     assert_reports(run(2, body_cuda, mode, world_env=DOUBLE if mode == "double" else SHARED_GPU, timeout=120))
+
+
+def body_across_hosts(ctx):
+    """Ranks that count as different hosts (MYCCL_HOST_ID) reach the maker's store at its
+    advertised addresses, not over loopback, and the communicator runs over TCP."""
+    import c10d_ext
+    import c10d_ext.wholememory as wm
+
+    rep = Report(ctx)
+    r, n = ctx.rank, ctx.size
+    wm.init_lib()
+    try:
+        uid = share_id(ctx, wm, "store-bytes", "")
+        _, host, _, _, addrs = wm.comm._decode("test", r, uid)
+        rep.check((host == wm.comm._host_hash()) == (r == 0), "the id's host is not rank 0's alone")
+        others = [a for _, a, loopback in wm.comm._interface_addresses() if not loopback]
+        rep.check(bool(addrs) and (addrs != ["127.0.0.1"] or not others), f"the id advertises {addrs}")
+        comm = wm.create_communicator(n, uid, r, timeout=30)
+        rep.check(c10d_ext.cross_size(comm) == n, f"{c10d_ext.cross_size(comm)} hosts, expected {n}")
+        t = wm.create_wm_tensor(comm, [9, 2], [], torch.float32, wm.WmTensorType.DISTRIBUTED)
+        wm.scatter(t, _reference(9, 2)[r::n], torch.arange(r, 9, n))
+        rep.check(torch.equal(wm.gather(t, torch.arange(9)), _reference(9, 2)), "rows across hosts differ")
+        _expect(rep, lambda: wm.create_wm_tensor(comm, [4], [], torch.float32, wm.WmTensorType.CHUNKED),
+                ValueError, "spans 2 hosts", what="CHUNKED across hosts")
+    finally:
+        wm.finalize_lib()
+    return rep.result()
+
+
+def test_across_hosts(run):
+    assert_reports(run(2, body_across_hosts, world_env={"MYCCL_HOST_ID": "host{rank}"}, timeout=90))
