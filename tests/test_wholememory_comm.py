@@ -251,14 +251,14 @@ def test_bad_unique_id(run):
 
 
 def body_bad_meeting(ctx, case, where):
-    """One rank's arguments disagree with the others': every rank raises within seconds (the
-    meeting's timeout is 60 s), the bad one naming its value, the others the bad rank's error."""
+    """One rank's arguments disagree with the others': every rank raises as soon as the meeting
+    sees it, not at the meeting's timeout of 60 s (that error says "Timed out"), the bad one naming
+    its value, the others the bad rank's error."""
     import c10d_ext.wholememory as wm
 
     rep = Report(ctx)
     r, n = ctx.rank, ctx.size
     wm.init_lib()
-    start = time.monotonic()
     try:
         uid = share_id(ctx, wm, "file-list", where)
         size, rank = n, r
@@ -279,8 +279,7 @@ def body_bad_meeting(ctx, case, where):
             words = {"rank-out-of-range": f"rank {n + 4}", "size-mismatch": "size",
                      "negative-size": "size", "duplicate-rank": "rank 0"}[case]
             rep.check(words in msg, f"{case}: message lacks {words!r}: {msg}")
-        took = time.monotonic() - start
-        rep.check(took < 20, f"{case}: the error took {took:.1f} s")
+            rep.check("Timed out" not in msg, f"{case}: waited for the meeting's timeout: {msg}")
     finally:
         meet(ctx, "end")
         wm.finalize_lib()
@@ -304,10 +303,8 @@ def body_reused_id(ctx, where):
         uid = share_id(ctx, wm, "file-list", where)
         comm = wm.create_communicator(n, uid, r, timeout=30, options=c10d_ext.Options(transport="tcp"))
         rep.check(not comm._get_backend(torch.device("cpu")).uses_shared_memory, "options= was not applied")
-        start = time.monotonic()
         _expect(rep, lambda: wm.create_communicator(n, uid, r, timeout=30), ValueError, f"(rank {r})",
                 "joined this unique id twice", what="an id used twice")
-        rep.check(time.monotonic() - start < 15, "the reused id's error took long")
         wm.barrier(comm)
         rep.check(wm.get_size(comm) == n, "the first communicator broke")
     finally:
@@ -330,12 +327,9 @@ def body_missing_rank(ctx, where):
     wm.init_lib()
     try:
         uid = share_id(ctx, wm, "file-list", where)
-        start = time.monotonic()
         # (8 s: on some VMs one TCPStore connection in 25 takes 5 s, which the meeting's time includes)
         _expect(rep, lambda: wm.create_communicator(n + 1, uid, r, timeout=8), RuntimeError, f"(rank {r})",
                 "Timed out", f"[{n}]", what="a rank that never joins")
-        took = time.monotonic() - start
-        rep.check(7.5 < took < 20, f"the timeout of 8 s took {took:.1f} s")
     finally:
         meet(ctx, "end")
         wm.finalize_lib()
@@ -357,10 +351,8 @@ def body_gone_maker(ctx):
     wm.finalize_lib()
     wm.init_lib()
     try:
-        start = time.monotonic()
         _expect(rep, lambda: wm.create_communicator(1, uid, 0, timeout=3), RuntimeError, "(rank 0)",
                 "the process that made the unique id", what="an id no process serves")
-        rep.check(time.monotonic() - start < 15, "the error took long")
     finally:
         wm.finalize_lib()
     return rep.result()
