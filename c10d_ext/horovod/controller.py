@@ -220,6 +220,7 @@ class SetController(threading.Thread):
         self.list_agreed = False  # every member announced the same pending list's key (_negotiate)
         self.stalls = StallInspector()  # a warning on the set's rank 0, and optionally a shutdown
         self.leaving = False  # this member's last cycle: it shuts down (_leave)
+        self.peer_left = False  # another member shut down in order: this set stopped with it
         self.cycle_time = _cycle_seconds()
         # The agreed all_reduce (one host, shared memory): None until the set's first cycle has
         # made its CPU engine on every member, then the same answer on all of them.
@@ -442,7 +443,7 @@ class SetController(threading.Thread):
             r.handle.part_done(r, error)
         for lst in held:
             lst.fail(str(error))
-        if not stopping:
+        if not stopping and not self.peer_left:
             log.warning("hvd: process set %d failed: %s", self.entry.id, error)
 
     def _cycle(self, batch: list[Request], more: bool, beat: bool = False) -> tuple[bool, bool]:
@@ -518,6 +519,7 @@ class SetController(threading.Thread):
             self._agree_settings()
         others_more = any(f & MORE for f in flags)
         if any(f & LEAVING for f in flags) and not self.leaving:  # a member shut Horovod down: all stop
+            self.peer_left = True  # (an orderly end: nothing to warn of unless an op is refused)
             err = HorovodInternalError(SHUT_DOWN)
             err.peer_lost = False  # it left in order: the next init needs no shrink
             raise err
