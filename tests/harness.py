@@ -9,6 +9,7 @@ rank, the world size and helpers to create process groups on a store private to 
 from __future__ import annotations
 
 import importlib
+import logging
 import multiprocessing as mp
 import os
 import socket
@@ -24,6 +25,25 @@ ROOT = os.path.dirname(HERE)
 
 class RankError(AssertionError):
     pass
+
+
+class Logged(logging.Handler):
+    """`with Logged("c10d_ext.horovod") as messages:` keeps what that logger says meanwhile."""
+
+    def __init__(self, logger: str):
+        super().__init__()
+        self.logger = logger
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger(self.logger).addHandler(self)
+        return self.messages
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.logger).removeHandler(self)
 
 
 def free_port() -> int:

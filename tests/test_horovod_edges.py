@@ -5,11 +5,10 @@ progress, and no torch warning caused by the layer's own calls."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
+from harness import Logged
 from test_horovod import start, stop
 
 JOIN_ERRORS = {
@@ -18,24 +17,6 @@ JOIN_ERRORS = {
     "alltoall": "Alltoall is not supported with Join at this time.",
     "reducescatter": "Reducescatter is not supported with Join at this time.",
 }
-
-
-class Logged(logging.Handler):
-    """`with Logged() as messages:` keeps what c10d_ext.horovod's logger says meanwhile."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logging.getLogger("c10d_ext.horovod").addHandler(self)
-        return self.messages
-
-    def __exit__(self, *exc):
-        logging.getLogger("c10d_ext.horovod").removeHandler(self)
 
 
 # ---- join -----------------------------------------------------------------------------------------
@@ -207,7 +188,7 @@ def _fusion(ctx, thresholds):
     import os
 
     os.environ["HOROVOD_FUSION_THRESHOLD"] = str(thresholds[ctx.rank])
-    with Logged() as seen:
+    with Logged("c10d_ext.horovod") as seen:
         try:
             return _fused_values(start(ctx), seen)
         finally:
@@ -408,7 +389,7 @@ def _busy_rank(ctx, busy_s):
     hvd.init()
     r = hvd.rank()
     try:
-        with Logged() as seen:
+        with Logged("c10d_ext.horovod") as seen:
             if r == 0:
                 time.sleep(busy_s)  # evaluation or a checkpoint: nothing of Horovod's for longer than the timeout
             h = hvd.allgather_async(torch.full((1,), float(r)), name="late_ag")
@@ -445,7 +426,7 @@ def _one_leaves(ctx):
     out = {}
     try:
         hvd.allreduce(torch.ones(1), name="before")
-        with Logged() as seen:
+        with Logged("c10d_ext.horovod") as seen:
             if r == 0:
                 hvd.shutdown()  # rank 1 is idle meanwhile: its heartbeat hears that rank 0 left
                 time.sleep(3.0)

@@ -426,29 +426,19 @@ def test_mismatch_messages_for_kind_and_device():
 
 # ---- stall inspector ----------------------------------------------------------------------------
 def _stall(ctx):
-    import logging
+    from harness import Logged
 
-    class Keep(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.records = []
-
-        def emit(self, record):
-            self.records.append(record.getMessage())
-
-    keep = Keep()
-    logging.getLogger("c10d_ext.horovod").addHandler(keep)
-    hvd = start(ctx)
-    try:
-        try:  # the ranks submit different names: nothing is ever ready
-            hvd.allreduce(torch.ones(1), name=f"only_on_{hvd.rank()}")
-            err = None
-        except hvd.HorovodInternalError as e:
-            err = str(e)
-        return err, keep.records
-    finally:
-        logging.getLogger("c10d_ext.horovod").removeHandler(keep)
-        stop(hvd)
+    with Logged("c10d_ext.horovod") as records:
+        hvd = start(ctx)
+        try:
+            try:  # the ranks submit different names: nothing is ever ready
+                hvd.allreduce(torch.ones(1), name=f"only_on_{hvd.rank()}")
+                err = None
+            except hvd.HorovodInternalError as e:
+                err = str(e)
+            return err, records
+        finally:
+            stop(hvd)
 
 
 def test_stall_inspector_warns_then_shuts_down(run):
