@@ -26,3 +26,12 @@ __all__ = ["WmTensorType", "ChunkedTensor", "DistributedTensor", "NCCLTensor", "
            "Communicator", "get_unique_id", "create_communicator", "destroy_communicator", "get_rank", "get_size",
            "barrier", "broadcast_unique_id_array", "broadcast_unique_id_array_by_continuous_group",
            "create_global_communicator", "create_intra_node_communicator"]
+
+# pylibwholegraph.torch's names (a script changes `import pylibwholegraph.torch as wgth` to
+# `import c10d_ext.wholememory as wgth`): communicators, WholeMemoryTensor, embeddings, optimizers, caches.
+from . import wg_comm as _wg_comm, wg_tensor as _wg_tensor, embedding as _embedding  # noqa: E402
+from .wg_comm import *  # noqa: E402,F401,F403
+from .wg_tensor import *  # noqa: E402,F401,F403
+from .embedding import *  # noqa: E402,F401,F403
+
+__all__ += _wg_comm.__all__ + _wg_tensor.__all__ + _embedding.__all__
