@@ -75,6 +75,15 @@ std::shared_ptr<cuda::Memory> processMemory() {
 #endif
 }
 
+std::shared_ptr<cuda::Device> processDevice() {
+  if (auto test = testRuntime()) return test->device();
+#ifdef MYCCL_WITH_NCCL
+  return cuda::realRuntime().device;
+#else
+  return nullptr;
+#endif
+}
+
 std::string ncclRuntimeVersion() {
 #ifdef MYCCL_WITH_NCCL
   return cuda::ncclVersionString(cuda::realRuntime().nccl->version());

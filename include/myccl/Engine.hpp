@@ -140,6 +140,8 @@ class TestRuntime {
   virtual cuda::Runtime make(c10::intrusive_ptr<c10d::Store> store) = 0;
   // The process's shared device memory (cuda/Memory.hpp) on the same simulated machine.
   virtual std::shared_ptr<cuda::Memory> memory() = 0;
+  // The process's device (streams, events, the allocator) on the same simulated machine.
+  virtual std::shared_ptr<cuda::Device> device() = 0;
 };
 // The name of the PyCapsule that carries a std::shared_ptr<TestRuntime>* from the test extension
 // to _C._install_test_runtime (both built by one setup.py run, from the same headers).
@@ -152,6 +154,11 @@ bool cudaEngineBuilt();
 // The process's shared device memory: the installed test runtime's, else the real one (builds
 // with the CUDA engine); null where neither exists.
 std::shared_ptr<cuda::Memory> processMemory();
+// The process's CUDA device seam (cuda/Runtime.hpp, Device): the installed test runtime's, else
+// the real one (builds with the CUDA engine); null where neither exists. For code above the
+// engines that orders its own work on streams (the Horovod layer), so that it runs on the double
+// in tests exactly as on a GPU.
+std::shared_ptr<cuda::Device> processDevice();
 // The version of the libnccl this process loaded ("" without the CUDA engine).
 std::string ncclRuntimeVersion();
 

@@ -14,9 +14,11 @@ void Engines::init(std::shared_ptr<cpu::CpuEngine> cpu, std::shared_ptr<Recorder
   makeCuda_ = std::move(makeCuda);
 }
 
-bool Engines::onDevice(const at::Tensor& t) const {
+bool onCudaEngine(const at::Tensor& t) {
   return !t.device().is_cpu() || testRuntimeInstalled();
 }
+
+bool Engines::onDevice(const at::Tensor& t) const { return onCudaEngine(t); }
 
 Held<Engine> Engines::route(const Where& where, const std::vector<at::Tensor>& tensors) {
   MYCCL_CHECK_ARG(!tensors.empty(), where, ": expected at least one tensor");

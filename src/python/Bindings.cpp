@@ -313,6 +313,7 @@ PYBIND11_MODULE(_C, m) {
   bindMemory(m);
   bindHorovod(m);
   bindHorovodHeld(m);
+  bindDevice(m);
   // For the test-only extension c10d_ext._test_double (Engine.hpp, TestRuntime).
   m.def("_install_test_runtime", [](py::object capsule) {
     void* p = PyCapsule_GetPointer(capsule.ptr(), myccl::kTestRuntimeCapsule);

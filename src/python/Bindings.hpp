@@ -7,3 +7,4 @@ void bindReducer(pybind11::module& m);
 void bindMemory(pybind11::module& m);
 void bindHorovod(pybind11::module& m);
 void bindHorovodHeld(pybind11::module& m);
+void bindDevice(pybind11::module& m);

@@ -40,6 +40,9 @@ class Held {
   E* engine_;
 };
 
+// The rule route() uses: whether a (valid) tensor goes to a group's CUDA engine.
+bool onCudaEngine(const at::Tensor& t);
+
 class Engines {
  public:
   // Makes the group's CUDA engine at its first CUDA op (`op` names it in errors), given the CPU
@@ -53,7 +56,7 @@ class Engines {
   // raises, naming `where` ("all_gather (rank 3)"). While a test runtime stands in for CUDA
   // (installTestRuntime), CPU tensors go to the CUDA engine.
   Held<Engine> route(const Where& where, const std::vector<at::Tensor>& tensors);
-  // Whether a (valid) tensor goes to the CUDA engine, by the rule route() uses.
+  // Whether a (valid) tensor goes to the CUDA engine, by the rule route() uses (onCudaEngine).
   bool onDevice(const at::Tensor& t) const;
   // The device a barrier orders, as torch's nccl picks it: device_ids[0], else the group's bound
   // device, else the device of the CUDA engine's latest op; none: a CPU barrier.
