@@ -6,6 +6,9 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <mutex>
+#include <sstream>
+
 #include "myccl/Engine.hpp"
 #include "myccl/cuda/double/CudaDouble.hpp"
 
@@ -21,6 +24,7 @@ class DoubleRuntime final : public myccl::TestRuntime {
     return td::runtime(machine_, std::move(store));
   }
   std::shared_ptr<myccl::cuda::Memory> memory() override { return td::memory(machine_); }
+  std::shared_ptr<myccl::cuda::Device> device() override { return td::device(machine_); }
 
  private:
   std::shared_ptr<td::Machine> machine_;
@@ -28,6 +32,20 @@ class DoubleRuntime final : public myccl::TestRuntime {
 
 std::shared_ptr<td::Machine> machine() {
   return td::machine();  // made by configure() first; later calls ignore options
+}
+
+// What the tests' own kernels saw, in the order they ran (enqueue_read, enqueue_mark).
+std::mutex marksMu;
+std::vector<std::string> marks;
+
+void mark(std::string what) {
+  std::lock_guard<std::mutex> lk(marksMu);
+  marks.push_back(std::move(what));
+}
+
+c10::Stream streamById(int64_t id) {
+  auto d = td::device(machine());
+  return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d->current())), id);
 }
 
 void destroyCapsule(PyObject* capsule) {
@@ -70,5 +88,37 @@ PYBIND11_MODULE(_test_double, m) {
     auto d = td::device(machine());
     const auto index = static_cast<c10::DeviceIndex>(d->current());
     d->setCurrentStream(c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::kCUDA, index), id));
+  });
+  // The tests' own kernels on stream `id` of the calling thread's device, each after `delay_ms`:
+  // a producer that fills `t`, a consumer that reads it (and logs "label=sum of t"), a marker that
+  // logs `label`. Like kernels they hold no reference to `t` (the caller keeps it alive, or the
+  // allocator's stream rule must), and the allocator checks their memory as it checks NCCL's.
+  m.def("enqueue_fill", [](int64_t id, const at::Tensor& t, double value, int delayMs) {
+    auto view = [p = t.data_ptr(), n = t.numel(), dt = t.scalar_type()] {
+      return at::from_blob(p, {n}, at::TensorOptions().dtype(dt));
+    };
+    td::kernel(*machine(), streamById(id), t.data_ptr(), t.nbytes(), "enqueue_fill", delayMs,
+               [view, value] { view().fill_(value); });
+  });
+  m.def("enqueue_read", [](int64_t id, const at::Tensor& t, std::string label, int delayMs) {
+    auto view = [p = t.data_ptr(), n = t.numel(), dt = t.scalar_type()] {
+      return at::from_blob(p, {n}, at::TensorOptions().dtype(dt));
+    };
+    td::kernel(*machine(), streamById(id), t.data_ptr(), t.nbytes(), "enqueue_read", delayMs, [view, label] {
+      std::ostringstream os;
+      os << label << "=" << view().sum().item<double>();
+      mark(os.str());
+    });
+  });
+  m.def("enqueue_mark", [](int64_t id, std::string label, int delayMs) {
+    td::kernel(*machine(), streamById(id), nullptr, 0, "enqueue_mark", delayMs, [label] { mark(label); });
+  });
+  m.def("marks", [] {
+    std::lock_guard<std::mutex> lk(marksMu);
+    return marks;
+  });
+  m.def("clear_marks", [] {
+    std::lock_guard<std::mutex> lk(marksMu);
+    marks.clear();
   });
 }

@@ -305,6 +305,16 @@ std::vector<std::string> violations(const Machine& m) { return m.violationList()
 void clearViolations(Machine& m) { m.clearViolationList(); }
 std::map<std::string, int64_t> counters(const Machine& m) { return m.counterMap(); }
 
+void kernel(Machine& m, const Stream& s, void* p, size_t nbytes, const std::string& use, int delayMs,
+            std::function<void()> body) {
+  auto self = m.shared_from_this();
+  m.workerOf(s, use.c_str())->enqueue([self, s, p, nbytes, use, delayMs, body = std::move(body)] {
+    if (delayMs > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
+    if (p != nullptr) self->allocator().check(p, nbytes, use, s);
+    body();
+  });
+}
+
 void synchronize(Machine& m) {
   const auto deadline = Clock::now() + m.hang();
   auto pastDeadline = [&] { return Clock::now() > deadline || m.stopping.load(); };

@@ -75,6 +75,13 @@ void synchronize(Machine& m);
 //   relaxed_capture_mode   Device calls;  mem_creates, mem_imports, mem_maps, and the live
 //   mem_handles, mem_mapped, host_registered   shared device memory
 std::map<std::string, int64_t> counters(const Machine& m);
+// A kernel of the test's own on stream `s` of the machine: after `delayMs`, `body` runs on the
+// stream's worker, once the allocator has checked [p, p + nbytes) as a kernel's access named `use`
+// (a freed block is a violation, as for NCCL's buffers). Like a kernel it holds no reference to
+// the memory. Stands for a producer or a consumer a test orders against the engine's and the
+// layers' work.
+void kernel(Machine& m, const Stream& s, void* p, size_t nbytes, const std::string& use, int delayMs,
+            std::function<void()> body);
 
 // The same on the process's machine.
 std::vector<std::string> violations();
