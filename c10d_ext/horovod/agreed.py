@@ -57,7 +57,7 @@ def key_of(r: C.Request) -> int:
 
 
 def _eligible(t: torch.Tensor) -> bool:
-    return not t.is_cuda and t.dtype in DTYPES and t.layout == torch.strided and t.is_contiguous()
+    return _ext._cuda_engine_device(t) < 0 and t.dtype in DTYPES and t.layout == torch.strided and t.is_contiguous()
 
 
 def _post_scale(ctrl, op: int, post: float) -> float:

@@ -31,6 +31,7 @@ from . import agreed
 from .basics import STATE
 from .exceptions import SHUT_DOWN, HorovodInternalError
 from .stall import StallInspector
+from .streams import SetStreams, engine_device
 from ._torch import all_gather_single
 
 log = logging.getLogger("c10d_ext.horovod")
@@ -83,7 +84,7 @@ class Request:
 
     __slots__ = ("kind", "name", "nhash", "tensor", "output", "op", "pre", "post", "root",
                  "splits", "handle", "desc", "sighash", "rows", "rowsize", "result",
-                 "cuda_event", "is_cuda", "dtype")
+                 "cuda_event", "is_cuda", "dtype", "device")
 
     def __init__(self, kind, name, tensor, output=None, op=0, pre=1.0, post=1.0, root=-1, splits=None):
         self.kind, self.name, self.tensor, self.output = kind, name, tensor, output
@@ -93,9 +94,10 @@ class Request:
         self.result = None
         self.cuda_event = None
         if tensor is None:  # join, barrier
-            self.dtype, self.is_cuda, shape = None, False, ()
-        else:
-            self.dtype, self.is_cuda, shape = tensor.dtype, tensor.is_cuda, tuple(tensor.shape)
+            self.dtype, self.device, shape = None, -1, ()
+        else:  # device: the CUDA engine's device index that takes the tensor, -1 for the CPU engine
+            self.dtype, self.device, shape = tensor.dtype, engine_device(tensor), tuple(tensor.shape)
+        self.is_cuda = self.device >= 0
         self.rows = shape[0] if shape else 0
         self.rowsize = 1
         for d in shape[1:]:
@@ -123,14 +125,16 @@ class Request:
 class Handle:
     """What an async op returns a number for: done when every request of the op is."""
 
-    __slots__ = ("remaining", "error", "event", "finish", "cuda_event", "ctrl")
+    __slots__ = ("remaining", "error", "event", "finish", "cuda_event", "ctrl", "device", "staged")
 
     def __init__(self, parts: list[Request], finish):
         self.remaining = len(parts)
         self.error = None
         self.event = threading.Event()
         self.finish = finish  # () -> the value synchronize returns
-        self.cuda_event = None
+        self.cuda_event = None  # the done event of a CUDA op (streams.py)
+        self.device = -1
+        self.staged: list = []  # results the layer allocated on a set's stream
         self.ctrl = None
         for r in parts:
             r.handle = self
@@ -145,7 +149,10 @@ class Handle:
         if error is not None and self.error is None:
             self.error = error
         if req.cuda_event is not None:
-            self.cuda_event = req.cuda_event
+            self.cuda_event, self.device = req.cuda_event, req.device
+            res = req.result
+            if res is not None:
+                self.staged.extend(res if isinstance(res, tuple) else (res,))
         self.remaining -= 1
         if self.remaining <= 0:
             self.event.set()
@@ -222,6 +229,7 @@ class SetController(threading.Thread):
         self.leaving = False  # this member's last cycle: it shuts down (_leave)
         self.peer_left = False  # another member shut down in order: this set stopped with it
         self.cycle_time = _cycle_seconds()
+        self.streams = SetStreams()  # where the set's CUDA work runs (streams.py)
         # The agreed all_reduce (one host, shared memory): None until the set's first cycle has
         # made its CPU engine on every member, then the same answer on all of them.
         self.agreed_ok: bool | None = None if self.size > 1 else False
@@ -393,7 +401,8 @@ class SetController(threading.Thread):
             agreed.flush(self, deferred)
             return self.failed is None
         try:
-            self.progress, self.others_more = self._cycle(batch, more, beat=not batch and beat)
+            with self.streams.cycle():
+                self.progress, self.others_more = self._cycle(batch, more, beat=not batch and beat)
             return True
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.fail_with(e)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from . import controller as C
 from .exceptions import HorovodInternalError
 from ._torch import all_gather_single, reduce_scatter_single
+from .streams import OnStream
 
 _REDUCE = {1: dist.ReduceOp.SUM, 3: dist.ReduceOp.MIN, 4: dist.ReduceOp.MAX, 5: dist.ReduceOp.PRODUCT}
 _FUSABLE = (C.ALLREDUCE, C.ADASUM, C.ALLGATHER)
@@ -188,22 +189,6 @@ def _scale(t: torch.Tensor, factor: float) -> None:
         t.copy_((t.to(torch.float64) * factor).trunc())
 
 
-def _wait_inputs(reqs) -> None:
-    for r in reqs:
-        if r is not None and r.cuda_event is not None:
-            torch.cuda.current_stream(r.tensor.device).wait_event(r.cuda_event)
-            r.cuda_event = None
-
-
-def _mark_done(reqs) -> None:
-    cuda = [r for r in reqs if r is not None and r.is_cuda]
-    if cuda:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(cuda[0].tensor.device))
-        for r in cuda:
-            r.cuda_event = ev
-
-
 def _execute(ctrl, bucket, tl) -> None:
     kind = bucket[0][0]
     reqs = [ctrl.mine.get(resp[1]) for resp in bucket]
@@ -217,22 +202,19 @@ def _execute(ctrl, bucket, tl) -> None:
         for n in names:
             tl.negotiate_end(n)
             tl.start(n, C.KIND_NAMES[kind])
-    dev = next((r.tensor.device for r in reqs if r is not None and r.is_cuda), None)
+    dev = next((r.device for r in reqs if r is not None and r.is_cuda), -1)
+    if dev < 0 and ctrl.join_device >= 0 and _on_cuda(bucket[0][2][min(bucket[0][2])]):
+        dev = ctrl.join_device  # a joined rank's zeros for the others' CUDA allreduce
     try:
-        if dev is not None and torch.cuda.current_device() != dev.index:
-            torch.cuda.set_device(dev)
-        _wait_inputs(reqs)
-        if kind in (C.ALLREDUCE, C.ADASUM):
-            _allreduce(ctrl, bucket, reqs)
-        elif kind == C.ALLGATHER:
-            _allgather(ctrl, bucket, reqs)
-        elif kind == C.BROADCAST:
-            _broadcast(ctrl, reqs[0])
-        elif kind == C.ALLTOALL:
-            _alltoall(ctrl, reqs[0])
-        elif kind == C.REDUCESCATTER:
-            _reducescatter(ctrl, bucket[0], reqs[0])
-        _mark_done(reqs)
+        if dev < 0:
+            _run(ctrl, kind, bucket, reqs, _new_cpu)
+        else:  # on the set's stream, after the producers' ready events (streams.py)
+            ready = [r.cuda_event for r in reqs if r is not None and r.cuda_event is not None]
+            with OnStream(ctrl.streams, dev, ready) as on:
+                _run(ctrl, kind, bucket, reqs, on.empty)
+            for r in reqs:
+                if r is not None:
+                    r.cuda_event = on.done
     except Exception:
         for r in reqs:
             if r is not None and tl is not None:
@@ -249,12 +231,31 @@ def _execute(ctrl, bucket, tl) -> None:
         ctrl.complete(r)
 
 
-def _joined_zeros(ctrl, rec) -> torch.Tensor:
-    dev = "cpu" if ctrl.join_device < 0 else f"cuda:{ctrl.join_device}"
-    return torch.zeros(rec[3], dtype=_dtype(rec), device=dev)
+def _new_cpu(shape, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-def _allreduce(ctrl, bucket, reqs) -> None:
+def _run(ctrl, kind, bucket, reqs, new) -> None:
+    """`new(shape, like)`: where results and staging buffers are allocated (on CUDA, on the
+    set's stream)."""
+    if kind in (C.ALLREDUCE, C.ADASUM):
+        _allreduce(ctrl, bucket, reqs, new)
+    elif kind == C.ALLGATHER:
+        _allgather(ctrl, bucket, reqs, new)
+    elif kind == C.BROADCAST:
+        _broadcast(ctrl, reqs[0])
+    elif kind == C.ALLTOALL:
+        _alltoall(ctrl, reqs[0], new)
+    elif kind == C.REDUCESCATTER:
+        _reducescatter(ctrl, bucket[0], reqs[0], new)
+
+
+def _joined_zeros(rec, new) -> torch.Tensor:
+    """A joined rank's share of an allreduce it did not submit: zeros (Horovod's join)."""
+    return new((rec[3],), torch.empty(0, dtype=_dtype(rec))).zero_()
+
+
+def _allreduce(ctrl, bucket, reqs, new) -> None:
     first = bucket[0][2][min(bucket[0][2])]
     op, pre, post = _op(first), C._bitsf(first[5]), C._bitsf(first[6])
     kind = bucket[0][0]
@@ -265,16 +266,21 @@ def _allreduce(ctrl, bucket, reqs) -> None:
     # into in-place tensors and new results at the end.
     if len(bucket) == 1 and reqs[0] is not None:
         r = reqs[0]
-        out = r.tensor if r.output is r.tensor else r.tensor.clone(memory_format=torch.contiguous_format)
+        if r.output is r.tensor:
+            out = r.tensor
+        else:
+            out = new(r.tensor.shape, r.tensor)
+            out.copy_(r.tensor)
         buf = out.view(-1)
         _reduce(ctrl, buf, [buf.numel()], kind, op, pre, post)
         if r.output is None:
             r.result = out
         return
-    ins = [r.tensor.reshape(-1) if r is not None else _joined_zeros(ctrl, resp[2][min(resp[2])])
+    ins = [r.tensor.reshape(-1) if r is not None else _joined_zeros(resp[2][min(resp[2])], new)
            for r, resp in zip(reqs, bucket)]
     sizes = [t.numel() for t in ins]
-    buf = torch.cat(ins) if len(ins) > 1 else ins[0].clone()
+    buf = new((sum(sizes),), ins[0])
+    torch.cat(ins, out=buf)
     _reduce(ctrl, buf, sizes, kind, op, pre, post)
     parts = buf.split(sizes)
     dst, src = [], []
@@ -282,7 +288,7 @@ def _allreduce(ctrl, bucket, reqs) -> None:
         if r is None:
             continue
         if r.output is None:
-            r.result = torch.empty_like(r.tensor, memory_format=torch.contiguous_format)
+            r.result = new(r.tensor.shape, r.tensor)
             dst.append(r.result.view(-1))
         else:
             dst.append(r.output.view(-1))
@@ -302,7 +308,7 @@ def _reduce(ctrl, buf, sizes, kind, op, pre, post) -> None:
     _scale(buf, post)
 
 
-def _allgather(ctrl, bucket, reqs) -> None:
+def _allgather(ctrl, bucket, reqs, new) -> None:
     """Ranks' first dimensions may differ: each member's contributions of all the bucket's
     tensors go in one padded block, one all_gather, then each output is cut out of the blocks."""
     size = ctrl.size
@@ -313,21 +319,20 @@ def _allgather(ctrl, bucket, reqs) -> None:
     per_member = [sum(c[m] for c in counts) for m in range(size)]
     block = max(per_member)
     mine = [r.tensor.reshape(-1) for r in reqs]
-    dtype, device = reqs[0].tensor.dtype, reqs[0].tensor.device
     if len(bucket) == 1 and len(set(per_member)) == 1:
         r = reqs[0]
         rest = tuple(r.tensor.shape[1:])
-        out = torch.empty((rows[0],) + rest, dtype=dtype, device=device)
+        out = new((rows[0],) + rest, r.tensor)
         if size > 1:
             all_gather_single(out.view(-1), mine[0], group=ctrl.group)
         else:
             out.view(-1).copy_(mine[0])
         r.result = out
         return
-    send = torch.empty(block, dtype=dtype, device=device)
+    send = new((block,), reqs[0].tensor)
     if mine:
         torch.cat(mine, out=send[:per_member[ctrl.me]])
-    recv = torch.empty(block * size, dtype=dtype, device=device)
+    recv = new((block * size,), reqs[0].tensor)
     all_gather_single(recv, send, group=ctrl.group)
     offsets = [m * block for m in range(size)]
     for t, (r, c) in enumerate(zip(reqs, counts)):
@@ -335,7 +340,7 @@ def _allgather(ctrl, bucket, reqs) -> None:
         for m in range(size):
             pieces.append(recv[offsets[m]:offsets[m] + c[m]])
             offsets[m] += c[m]
-        r.result = torch.empty((rows[t],) + tuple(r.tensor.shape[1:]), dtype=dtype, device=device)
+        r.result = new((rows[t],) + tuple(r.tensor.shape[1:]), r.tensor)
         torch.cat(pieces, out=r.result.view(-1))
 
 
@@ -348,7 +353,7 @@ def _broadcast(ctrl, r) -> None:
         dist.broadcast(out, group_src=root, group=ctrl.group)
 
 
-def _alltoall(ctrl, r) -> None:
+def _alltoall(ctrl, r, new) -> None:
     size = ctrl.size
     send_splits = r.splits.to(torch.int64)
     recv_splits = torch.empty(size, dtype=torch.int64)
@@ -360,7 +365,7 @@ def _alltoall(ctrl, r) -> None:
     recvs = recv_splits.tolist()
     rest = tuple(r.tensor.shape[1:])
     inp = r.tensor[:sum(sends)]
-    out = torch.empty((sum(recvs),) + rest, dtype=r.tensor.dtype, device=r.tensor.device)
+    out = new((sum(recvs),) + rest, r.tensor)
     if size > 1:
         dist.all_to_all_single(out, inp, output_split_sizes=recvs, input_split_sizes=sends, group=ctrl.group)
     else:
@@ -368,7 +373,7 @@ def _alltoall(ctrl, r) -> None:
     r.result = (out, recv_splits.to(torch.int32).to(r.splits.device))
 
 
-def _reducescatter(ctrl, resp, r) -> None:
+def _reducescatter(ctrl, resp, r, new) -> None:
     """Rows split as Horovod does: the first dim0 % size members get one row more. Uneven
     splits go through one padded reduce_scatter (every block one row longer)."""
     size = ctrl.size
@@ -383,15 +388,15 @@ def _reducescatter(ctrl, resp, r) -> None:
     if size == 1:
         out = inp.clone() if inp is t else inp
     elif extra == 0:
-        out = torch.empty((d,) + rest, dtype=t.dtype, device=t.device)
+        out = new((d,) + rest, t)
         reduce_scatter_single(out, inp.contiguous(), group=ctrl.group)
     else:
-        padded = torch.zeros((size * (d + 1),) + rest, dtype=t.dtype, device=t.device)
+        padded = new((size * (d + 1),) + rest, t).zero_()
         off = 0
         for m in range(size):
             padded[m * (d + 1):m * (d + 1) + rows[m]] = inp[off:off + rows[m]]
             off += rows[m]
-        got = torch.empty((d + 1,) + rest, dtype=t.dtype, device=t.device)
+        got = new((d + 1,) + rest, t)
         reduce_scatter_single(got, padded, group=ctrl.group)
         out = got[:rows[ctrl.me]].clone() if rows[ctrl.me] < d + 1 else got
     _scale(out, post)

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from .. import _C as _ext
-from . import agreed, controller as C
+from . import agreed, controller as C, streams
 from .basics import STATE
 from .exceptions import NOT_INITIALIZED, HorovodInternalError
 from .process_sets import _lookup
@@ -72,8 +72,12 @@ def _wait(h: C.Handle):
     if h.error is not None:
         raise HorovodInternalError(str(h.error))
     if h.cuda_event is not None:
-        torch.cuda.current_stream().wait_event(h.cuda_event)
-    return h.finish()
+        streams.consume(h.device, h.cuda_event, h.staged)
+        h.staged = []  # the caller owns the results now
+    finish = h.finish
+    if type(h) is C.Handle:  # its requests point at it: no cycle may keep the results alive
+        h.finish = None
+    return finish()
 
 
 # ---- enqueueing -------------------------------------------------------------------------------
@@ -106,13 +110,14 @@ def _name(prefix: str, name, handle: int) -> str:
 
 def _submit(entry, reqs, finish, h: int) -> int:
     """Queues the requests of one op on its set under handle number `h` (taken by the op)."""
+    ctrl = C.controller_for(entry)
     for r in reqs:
-        if r.is_cuda:
-            r.cuda_event = torch.cuda.Event()
-            r.cuda_event.record(torch.cuda.current_stream(r.tensor.device))
+        if r.is_cuda:  # Horovod's ready event: the data work waits for the producer's stream
+            r.cuda_event = streams.ready_event(r.device)
+            ctrl.streams.note(r.device)
     handle = C.Handle(reqs, finish)
-    handle.ctrl = C.controller_for(entry)
-    handle.ctrl.submit(reqs, wake=not getattr(_local, "sync", False))
+    handle.ctrl = ctrl
+    ctrl.submit(reqs, wake=not getattr(_local, "sync", False))
     _handles[h] = handle
     return h
 

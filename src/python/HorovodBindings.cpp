@@ -16,6 +16,7 @@
 
 #include "Bindings.hpp"
 #include "Horovod.hpp"
+#include "myccl/backend/Engines.hpp"
 
 namespace py = pybind11;
 
@@ -91,7 +92,7 @@ std::vector<Chunk> plan(const std::vector<at::Tensor>& tensors, int64_t fuseByte
 uint64_t hvdKeyOfTensors(uint64_t key, const std::vector<at::Tensor>& tensors) {
   uint64_t h = key;
   for (const auto& t : tensors) {
-    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !hvdOfferable(t.scalar_type()) ||
+    if (!t.defined() || !t.device().is_cpu() || myccl::onCudaEngine(t) || t.layout() != at::kStrided || !hvdOfferable(t.scalar_type()) ||
         !t.is_contiguous())
       return 0;
     h = mix(mix(h, static_cast<uint64_t>(t.scalar_type())), static_cast<uint64_t>(t.dim()));

@@ -30,6 +30,7 @@
 
 #include "Bindings.hpp"
 #include "Horovod.hpp"
+#include "myccl/backend/Engines.hpp"
 
 namespace py = pybind11;
 
@@ -87,7 +88,7 @@ double monotonic() {
 }
 
 bool holdable(const at::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && hvdOfferable(t.scalar_type()) &&
+  return t.defined() && t.device().is_cpu() && !myccl::onCudaEngine(t) && t.layout() == at::kStrided && hvdOfferable(t.scalar_type()) &&
          t.is_contiguous();
 }
 
