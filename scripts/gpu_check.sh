@@ -7,7 +7,7 @@
 # the exit status is 1 if any failed.
 #
 #   OUT                  where the report goes (default bench_out/gpu_check)
-#   GPU_CHECK_STEPS      comma-separated subset of env,build,hostcost,test,test-multi,bench,ddp (default all);
+#   GPU_CHECK_STEPS      comma-separated subset of env,build,hostcost,test,test-multi,bench,ddp,hvd (default all);
 #                        a step that needs the venv or the build runs env/build first if they are
 #                        not there yet. Results of earlier calls on this machine stay in the report.
 #   GPU_CHECK_BUDGET_S   seconds for the whole call (default 1140); a step gets what is left at most
@@ -37,11 +37,11 @@ export GC_TEST_JOBS=${GPU_CHECK_TEST_JOBS:-2}
 [ "$GC_VENV" = none ] && export PIP_BREAK_SYSTEM_PACKAGES=1
 # torch's BuildExtension compiles with $CXX, else c++
 if [ -z "${CXX:-}" ] && ! command -v c++ >/dev/null && command -v g++ >/dev/null; then export CXX=g++; fi
-ALL_STEPS=(env build hostcost test test-multi bench ddp)
+ALL_STEPS=(env build hostcost test test-multi bench ddp hvd)
 # Each step's own limit (seconds); the whole call is held to GPU_CHECK_BUDGET_S besides.
-declare -A LIMIT=([env]=120 [build]=360 [hostcost]=240 [test]=420 [test-multi]=300 [bench]=300 [ddp]=180)
+declare -A LIMIT=([env]=120 [build]=360 [hostcost]=240 [test]=420 [test-multi]=300 [bench]=300 [ddp]=180 [hvd]=240)
 # ... and what each should take on one H100 with 16 cores (for the plan printed at the start)
-declare -A EXPECT=([env]=30 [build]=180 [hostcost]=120 [test]=300 [test-multi]=0 [bench]=240 [ddp]=60)
+declare -A EXPECT=([env]=30 [build]=180 [hostcost]=120 [test]=300 [test-multi]=0 [bench]=240 [ddp]=60 [hvd]=90)
 IFS=, read -r -a _limits <<< "${GPU_CHECK_LIMITS:-}"
 for _kv in "${_limits[@]}"; do
   [[ "$_kv" =~ ^([a-z-]+)=([0-9]+)$ ]] && [ -n "${LIMIT[${BASH_REMATCH[1]}]:-}" ] \
@@ -324,6 +324,21 @@ step_ddp() {
   "${cmd[@]}"
 }
 
+step_hvd() {
+  load_python
+  cd "$ROOT"
+  local cmd=("$VPY" benchmarks/hvd_synthetic.py --device cuda --world-size "$(bench_world)"
+             --out "$GC_STATE/raw/hvd_synthetic.json")
+  if [ "$GC_DRY" = 1 ]; then
+    echo "dry run: would run: ${cmd[*]}"
+    if "${cmd[@]}"; then return 1; fi
+    echo "(refused without a GPU, as it must)"
+    return 0
+  fi
+  rm -f "$GC_STATE/raw/hvd_synthetic.json"
+  "${cmd[@]}"
+}
+
 if [ "${1:-}" = --step ]; then
   fn="step_${2//-/_}"
   "$fn"
@@ -348,7 +363,7 @@ want() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 
 # Steps that need the build get it first when an earlier call did not leave one here.
 load_python
-if ! want build && { want test || want test-multi || want bench || want ddp; }; then
+if ! want build && { want test || want test-multi || want bench || want ddp || want hvd; }; then
   if [ "$GC_DRY" != 1 ] && ! (cd "$ROOT" && [ -n "$VPY" ] && "$VPY" -c "import c10d_ext, pytest, xdist, pytest_timeout, sys
 sys.exit(not c10d_ext.build_info().get('with_nccl'))" >/dev/null 2>&1); then
     log "no working build here yet: running env and build first"
@@ -379,6 +394,7 @@ gpu-check: c10d_ext (myccl) on this machine's CUDA GPU(s), each figure next to t
   test-multi  ~3 min    world size N on N GPUs (only with several GPUs)
   bench       ~4 min    collbench --device cuda vs nccl: 8 B overhead, busbw 1 MiB-1 GiB, 6 ops
   ddp         ~1 min    DDP over myccl and c10d_ext's DDP vs DDP over nccl: losses, parameters, step time
+  hvd         ~1.5 min  Horovod's synthetic benchmark on c10d_ext.horovod vs torch DDP over nccl; NCCL/compute overlap
   report      $GC_OUT/report.md (+ gpu_check.json, logs/)
 EOF
 
@@ -427,9 +443,9 @@ done
 
 report
 # the tables, for whoever reads the terminal
-for f in "$GC_STATE/logs/bench.log" "$GC_STATE/logs/ddp.log"; do
+for f in "$GC_STATE/logs/bench.log" "$GC_STATE/logs/ddp.log" "$GC_STATE/logs/hvd.log"; do
   if want "$(basename "$f" .log)" && [ -f "$f" ]; then
-    sed -n '/^collbench: world size\|^DDP on CUDA/,/^json:/p' "$f" | grep -v '^json:' || true
+    sed -n '/^collbench: world size\|^DDP on CUDA\|^Horovod.s synthetic/,/^json:/p' "$f" | grep -v '^json:' || true
   fi
 done
 log "report: $GC_OUT/report.md (JSON: $GC_OUT/gpu_check.json, logs: $GC_OUT/logs/)"

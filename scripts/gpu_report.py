@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-STEPS = ["env", "build", "hostcost", "test", "test-multi", "bench", "ddp"]
+STEPS = ["env", "build", "hostcost", "test", "test-multi", "bench", "ddp", "hvd"]
 WHAT = {
     "env": "python with torch, venv, wheels from the wheelhouse",
     "build": "c10d_ext with the NCCL engine",
@@ -32,6 +32,7 @@ WHAT = {
     "test-multi": "tests/test_cuda.py at world size N on N GPUs",
     "bench": "collbench --device cuda, myccl vs nccl",
     "ddp": "DDP training over myccl vs over nccl",
+    "hvd": "Horovod's synthetic benchmark on c10d_ext.horovod vs torch DDP over nccl",
 }
 
 
@@ -254,6 +255,26 @@ def _ddp_md(d: dict) -> list[str]:
     return out
 
 
+def _hvd_md(d: dict) -> list[str]:
+    out = [f"{d.get('world_size')} ranks" + (" sharing one GPU" if d.get("shared_gpu") else "")
+           + f", torch {d.get('torch')}; goal: within 5 % of the baseline "
+           f"({'met' if d.get('met') else 'not met'}, {_f(d.get('ratio'), '.3f')}x).", "",
+           "| config | img/s | +- | vs baseline |", "|---|---:|---:|---:|"]
+    rows = d.get("rows", [])
+    base = rows[0]["img_s"] if rows else 0
+    for r in rows:
+        out.append(f"| {r['config']} | {r['img_s']:.1f} | {r['conf']:.1f} | "
+                   f"{_f(r['img_s'] / base if base else None, '.3f')} |")
+    ov = d.get("overlap")
+    if ov:
+        out += ["", f"Rank 0's profiled steps: {ov['nccl_kernels']} NCCL kernels on streams {ov['nccl_streams']}, "
+                f"{ov['compute_kernels']} compute kernels on {ov['compute_streams']}; "
+                f"{_f(ov.get('overlap'), '.3f')} of NCCL kernel time ({ov['nccl_us']} µs) ran beside compute "
+                f"kernels of other streams."]
+    out.append("")
+    return out
+
+
 def report(state: str, out_dir: str, dry: bool) -> int:
     raw = os.path.join(state, "raw")
     steps = _steps(state)
@@ -266,6 +287,7 @@ def report(state: str, out_dir: str, dry: bool) -> int:
     ddp = _load_json(os.path.join(raw, "ddp_cuda.json"))
     hostcost = _load_json(os.path.join(raw, "cuda_host_cost.json"))
     ddp_small = _load_json(os.path.join(raw, "ddp_small.json"))
+    hvd = _load_json(os.path.join(raw, "hvd_synthetic.json"))
     bad = [n for n, s in steps.items() if s["status"] not in ("pass", "skipped")]
     ok = bool(steps) and not bad
     calls = sorted({s["call"] for s in steps.values() if s["call"]})
@@ -332,6 +354,8 @@ def report(state: str, out_dir: str, dry: bool) -> int:
     md += _collbench_md(cb) if cb else ["no result (see logs/bench.log)", ""]
     md += ["## DDP training: myccl vs nccl", ""]
     md += _ddp_md(ddp) if ddp else ["no result (see logs/ddp.log)", ""]
+    md += ["## Horovod's synthetic benchmark: c10d_ext.horovod vs torch DDP over nccl", ""]
+    md += _hvd_md(hvd) if hvd else ["no result (see logs/hvd.log)", ""]
     if pkgs:
         md += ["## Packages", "", ", ".join(f"{k} {v['version']} ({v['where']})" for k, v in pkgs.items()), ""]
     md += ["## Logs", "", "Every step's full output: " + ", ".join(f"`logs/{n}.log`" for n in STEPS if n in steps)
@@ -349,7 +373,7 @@ def report(state: str, out_dir: str, dry: bool) -> int:
         f.write("\n".join(md))
     doc = {"created": now, "dry_run": dry, "ok": ok, "failed_steps": bad, "steps": steps, "machine": machine,
            "packages": pkgs, "build_info": build, "tests": tests, "test_summary_lines": lines,
-           "collbench": cb, "ddp": ddp, "hostcost": hostcost, "ddp_small_params": ddp_small}
+           "collbench": cb, "ddp": ddp, "hostcost": hostcost, "ddp_small_params": ddp_small, "hvd_synthetic": hvd}
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump(doc, f, indent=1)
     print(os.path.join(out_dir, "report.md"))

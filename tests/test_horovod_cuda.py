@@ -6,6 +6,7 @@ random delays, and its allocator poisons memory a stream may still read."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from test_horovod import DOUBLE, start, stop
@@ -137,3 +138,67 @@ def test_results_are_safe_on_the_consumers_stream_after_synchronize(run):
         assert float(got["read1"]) == 256.0 * sum(r + 1 for r in range(size))  # allgather
         assert float(got["read2"]) == 128.0 * sum(s + 2 for s in range(size))  # alltoall: half of each rank
         assert float(got["read3"]) == 128.0 * sum(r + 3 for r in range(size))  # reducescatter: half the rows
+
+
+# ---- on a GPU (make gpu-check): the same properties with torch's streams and real kernels ------
+SPIN = 200_000_000  # torch.cuda._sleep cycles: a kernel of tens of milliseconds
+
+
+def _gpu(ctx):
+    torch.cuda.set_device(0)
+    hvd = start(ctx)
+    try:
+        out = {}
+        dev = torch.device("cuda", 0)
+        # Ready event: the producer's kernels are still queued when the op is submitted.
+        producer = torch.cuda.Stream()
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(SPIN)
+            t = torch.full((1 << 16,), float(ctx.rank + 1), device=dev)
+            res = hvd.synchronize(hvd.allreduce_async(t, op=hvd.Sum, name="ready"))
+            out["ready"] = sorted(set(res.cpu().tolist()))
+        hvd.allreduce(torch.ones(4, device=dev), name="warm-up")
+        torch.cuda.synchronize()
+        # Overlap: backward's kernels queued on the default stream; a gradient from another stream.
+        torch.cuda._sleep(10 * SPIN)
+        backward_done = torch.cuda.Event()
+        backward_done.record()
+        grads = torch.cuda.Stream()
+        with torch.cuda.stream(grads):
+            g = torch.full((1 << 16,), float(ctx.rank + 1), device=dev)
+            h = hvd.allreduce_async(g, op=hvd.Sum, name="grad")
+        user = torch.cuda.Stream()
+        with torch.cuda.stream(user):
+            r = hvd.synchronize(h)
+            reduced = torch.cuda.Event()
+            reduced.record()
+        while not reduced.query():
+            pass
+        out["reduced_before_backward"] = not backward_done.query()
+        out["grad"] = sorted(set(r.cpu().tolist()))
+        # A result read on a user stream after synchronize, then dropped at once.
+        with torch.cuda.stream(user):
+            x = torch.full((1 << 16,), float(ctx.rank), device=dev)
+            res = hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum, name="consumer"))
+            torch.cuda._sleep(SPIN)
+            total = res.sum()
+            del res
+        for i in range(4):
+            hvd.allreduce(torch.ones(1 << 16, device=dev), name=f"churn{i}")
+        torch.cuda.synchronize()
+        out["consumer"] = float(total.cpu())
+    finally:
+        stop(hvd)
+    return out
+
+
+@pytest.mark.cuda
+def test_cuda_discipline_on_a_gpu(run):
+    from test_cuda import SHARED_GPU
+
+    size = 2
+    for out in run(size, _gpu, timeout=300, world_env=SHARED_GPU):
+        assert out["ready"] == [float(sum(r + 1 for r in range(size)))]
+        assert out["grad"] == [float(sum(r + 1 for r in range(size)))]
+        assert out["reduced_before_backward"], "the allreduce waited for the kernels queued on the default stream"
+        assert out["consumer"] == float((1 << 16) * sum(range(size)))

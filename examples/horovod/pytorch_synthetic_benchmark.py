@@ -16,28 +16,12 @@ import timeit
 import numpy as np
 import torch
 import torch.backends.cudnn as cudnn
-import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 import torch.utils.data.distributed
 
 import c10d_ext.horovod as hvd
-
-
-class SmallCNN(nn.Module):
-    """Three strided convolutions and a classifier: 224x224x3 images, 1000 classes."""
-
-    def __init__(self, num_classes=1000):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 16, kernel_size=7, stride=4, padding=3), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, kernel_size=3, stride=2, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(32, 64, kernel_size=3, stride=2, padding=1), nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(1))
-        self.fc = nn.Linear(64, num_classes)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(self.features(x), 1))
+from smallcnn import SmallCNN
 
 
 MODELS = {'smallcnn': SmallCNN}
