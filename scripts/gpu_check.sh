@@ -293,50 +293,40 @@ step_hostcost() {
   return $rc
 }
 
-step_bench() {
+# Runs a benchmark that writes $GC_STATE/raw/$1 (the rest: its command); in a dry run, checks
+# that it refuses to run without a GPU, as it must.
+gpu_bench() {
+  local json=$1
+  shift
   load_python
   cd "$ROOT"
-  local cmd=("$VPY" benchmarks/collbench.py --device cuda --world-size "$(bench_world)"
-             --ops "all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,send_recv"
-             --sizes "${GPU_CHECK_BENCH_SIZES:-8,1M,4M,16M,64M,256M,1G}" --trials 3 --budget 0.2 --check
-             --out "$GC_STATE/raw/collbench_cuda.json")
   if [ "$GC_DRY" = 1 ]; then
-    echo "dry run: would run: ${cmd[*]}"
-    if "${cmd[@]}"; then return 1; fi
+    echo "dry run: would run: $*"
+    if "$@"; then return 1; fi
     echo "(refused without a GPU, as it must)"
     return 0
   fi
-  rm -f "$GC_STATE/raw/collbench_cuda.json"
-  "${cmd[@]}"
+  rm -f "$GC_STATE/raw/$json"
+  "$@"
+}
+
+step_bench() {
+  load_python
+  gpu_bench collbench_cuda.json "$VPY" benchmarks/collbench.py --device cuda --world-size "$(bench_world)" \
+    --ops "all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,send_recv" \
+    --sizes "${GPU_CHECK_BENCH_SIZES:-8,1M,4M,16M,64M,256M,1G}" --trials 3 --budget 0.2 --check \
+    --out "$GC_STATE/raw/collbench_cuda.json"
 }
 
 step_ddp() {
   load_python
-  cd "$ROOT"
-  local cmd=("$VPY" benchmarks/ddp_cuda.py --world-size "$(bench_world)" --out "$GC_STATE/raw/ddp_cuda.json")
-  if [ "$GC_DRY" = 1 ]; then
-    echo "dry run: would run: ${cmd[*]}"
-    if "${cmd[@]}"; then return 1; fi
-    echo "(refused without a GPU, as it must)"
-    return 0
-  fi
-  rm -f "$GC_STATE/raw/ddp_cuda.json"
-  "${cmd[@]}"
+  gpu_bench ddp_cuda.json "$VPY" benchmarks/ddp_cuda.py --world-size "$(bench_world)" --out "$GC_STATE/raw/ddp_cuda.json"
 }
 
 step_hvd() {
   load_python
-  cd "$ROOT"
-  local cmd=("$VPY" benchmarks/hvd_synthetic.py --device cuda --world-size "$(bench_world)"
-             --out "$GC_STATE/raw/hvd_synthetic.json")
-  if [ "$GC_DRY" = 1 ]; then
-    echo "dry run: would run: ${cmd[*]}"
-    if "${cmd[@]}"; then return 1; fi
-    echo "(refused without a GPU, as it must)"
-    return 0
-  fi
-  rm -f "$GC_STATE/raw/hvd_synthetic.json"
-  "${cmd[@]}"
+  gpu_bench hvd_synthetic.json "$VPY" benchmarks/hvd_synthetic.py --device cuda --world-size "$(bench_world)" \
+    --out "$GC_STATE/raw/hvd_synthetic.json"
 }
 
 if [ "${1:-}" = --step ]; then
