@@ -1,11 +1,6 @@
-// MycclBackend: the c10d::Backend subclass registered as "myccl". It checks arguments (every
-// error names the op, the rank and the offending value), assigns sequence numbers and routes
-// each op to the CPU engine or, for CUDA tensors, to the NCCL engine. It never touches bytes.
-// Its parts: ProcessGroupMyccl.cpp (the ops: checks and one routing line each),
-// backend/Engines.cpp (the engines and the routing rule), backend/Sequence.cpp (op numbering,
-// timeouts, what every Work gets), backend/Hooks.cpp (torch's abort and completion hooks),
-// backend/Coalescing.cpp, backend/Lifecycle.cpp (construction, abort, shutdown, queries) and
-// Membership.cpp (split, merge, shrink, reconfigure, survivors).
+// MycclBackend: the c10d::Backend subclass registered as "myccl". It checks arguments, numbers
+// each op and routes it to the CPU engine or, for CUDA tensors, to the NCCL engine; it never
+// touches bytes. Which file holds which part: docs/DESIGN.md ("Layout").
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
