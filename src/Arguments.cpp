@@ -169,7 +169,7 @@ namespace {
 
 // rowSlice(t, first, count) for a contiguous plain CPU tensor builds the alias directly on the
 // same storage: narrow() and view() go through the dispatcher and autograd's view bookkeeping
-// for every block of every call, a large share of a small op's CPU time (docs/NOTES.md,
+// for every block of every call, a large share of a small op's CPU time (docs/DECISIONS.md,
 // "Row blocks without narrow()"). The alias carries no autograd history; the engine only reads
 // its memory. Anything else (CUDA, subclasses, strided tensors) keeps narrow().
 bool aliasable(const at::Tensor& t) {

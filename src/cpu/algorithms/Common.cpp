@@ -19,7 +19,7 @@ Scratch::~Scratch() {
 // Where scratch starts within its page. Reductions read scratch and write the user's tensor in
 // one loop; at the same offset within a page (torch's large tensors come from mmap at page +
 // 64, as did 64-aligned scratch) loads and stores alias in the low 12 address bits and the CPU
-// stalls loads behind stores (docs/NOTES.md, "Scratch starts 2240 bytes into a page"). No allocator hands
+// stalls loads behind stores (docs/DECISIONS.md, "Scratch starts 2240 bytes into a page"). No allocator hands
 // out this offset by default.
 constexpr size_t kScratchColour = 2048 + 192;
 

@@ -1,7 +1,7 @@
 // Rings: in each step every rank passes a block to its right neighbour and takes one from its
 // left, so each rank only ever sends to one peer and receives from one. On links that bind, that
 // fixed pairing is what keeps every link full: sending to all at once (or to each peer in turn)
-// has several senders meet on one receiver's link while another's idles (docs/NOTES.md, "rings").
+// has several senders meet on one receiver's link while another's idles (docs/DECISIONS.md, "Rings across hosts").
 // Every receive is posted first and the left neighbour hears it once (an empty message); the
 // sends then need no announcement answered (isendPosted), a round trip that on a full link queues
 // behind the data, once per step. Blocks travel in segments, passed on as soon as they are in.

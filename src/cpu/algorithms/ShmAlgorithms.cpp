@@ -55,7 +55,7 @@ uint32_t stageSlices(CollCtx& c, ShmGroup& g, const StepDesc& desc, const char* 
 // overwriting it, which costs a large share of the copy rate into memory that is not in cache.
 // Smaller results may still be in cache when the caller reads them, and there memcpy is as
 // fast or faster. Reduce and scatter's receivers keep memcpy; scatter's root streams its own
-// block only (the measurements behind each choice: docs/NOTES.md, "Large results are written
+// block only (the measurements behind each choice: docs/DECISIONS.md, "Large results are written
 // with streaming stores").
 // `hostBytes`: what the op writes into result tensors on this host (all local ranks
 // together); the threshold is MYCCL_STREAM_STORE_BYTES (default: the LLC's size,

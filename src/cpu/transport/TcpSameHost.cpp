@@ -38,7 +38,7 @@ void TcpTransport::directCopy(int peer, uint64_t recvId, std::shared_ptr<PostedR
   };
   int err = 0;
   // One thread copies well below memcpy's rate (process_vm_readv pins and maps the sender's
-  // pages as it goes); two reach it (docs/NOTES.md has the figures). The sender is blocked until
+  // pages as it goes); two reach it (docs/PERFORMANCE.md has the figures). The sender is blocked until
   // the copy is done, so the second thread runs on the core it leaves idle.
   std::unique_lock<std::mutex> pool(copyPoolMu_, std::defer_lock);
   if (setup_.copyThreads > 1 && pr->nbytes >= kSplitCopyBytes && pool.try_lock() && !copyPool_) {
