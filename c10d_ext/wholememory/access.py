@@ -68,7 +68,7 @@ _HUGE = 2 << 20
 def result_rows(n: int, row_shape: tuple, dtype: torch.dtype, device=None) -> torch.Tensor:
     """The tensor a gather returns. A large one on the CPU is anonymous memory advised for
     transparent huge pages: the first writes into a fresh result fault a 2 MiB page at a time
-    instead of 4 KiB (on the benchmark VM a 64 MiB gather ran 3x faster for that alone). It is an
+    instead of 4 KiB (docs/DECISIONS.md, "Large gather results in huge pages"). It is an
     ordinary tensor whose memory goes with its last reference."""
     nbytes = n * math.prod(row_shape) * dtype.itemsize
     if (device is not None and torch.device(device).type != "cpu") or nbytes < HUGE_FROM or _MADV_HUGEPAGE is None:

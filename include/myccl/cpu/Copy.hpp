@@ -6,9 +6,9 @@
 
 namespace myccl::cpu {
 
-// memcpy(dst, src, n) whose stores bypass the caches. On this project's VM (AMD EPYC, glibc
-// 2.36) it copies into cold memory 1.6-1.9x faster than memcpy, which reads every destination
-// line from memory before overwriting it; the price is that `dst` is not in cache afterwards.
+// memcpy(dst, src, n) whose stores bypass the caches. Into cold memory it is faster than memcpy,
+// which reads every destination line from memory before overwriting it (docs/PERFORMANCE.md,
+// "Streaming stores"); the price is that `dst` is not in cache afterwards.
 // Portable fallback: memcpy. Returns with the stores globally visible (sfence).
 void streamCopy(void* dst, const void* src, size_t n);
 

@@ -35,7 +35,7 @@ class LevelChoice {
   // True when this call measured (the caller logs describe() and counts what it cost).
   bool choose(CollCtx& c, OpCode code);
   const LinkModel& model() const { return model_; }
-  // "link 120 MB/s per host (measured), shared memory ... : two levels (measuring took 88 ms)"
+  // "link <rate> MB/s per host (measured), shared memory ... : two levels (measuring took <t> ms)"
   std::string describe() const;
 
  private:
