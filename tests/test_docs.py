@@ -4,8 +4,8 @@ one the code knows.
 
 The documents are README.md and docs/*.md. What counts as a path a document names:
 
-* the target of a Markdown link `[text](target)`: without its `#anchor`, relative to the
-  document's folder; it must exist. Links out of the repository (a scheme such as `https:`) are
+* the target of a Markdown link `[text](target)`: relative to the document's folder; it must
+  exist, and an `#anchor` into a Markdown file must be one of its headings (GitHub's slugs). Links out of the repository (a scheme such as `https:`) are
   refused: nothing in the project links outside it;
 * an inline code span (outside fenced blocks) that is one token of path characters
   (letters, digits, `_ . - / * +`), once a `::test` suffix is dropped:
@@ -84,6 +84,16 @@ def _split_fences(text: str) -> tuple[str, list[str]]:
         else:
             prose.append(line)
     return "\n".join(prose), blocks
+
+
+def _anchors(path: str) -> set[str]:
+    with open(path, encoding="utf-8") as f:
+        prose, _ = _split_fences(f.read())
+    out = set()
+    for h in re.findall(r"^#+\s+(.*)$", prose, re.M):
+        slug = re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
 
 
 def _exists(rel: str) -> bool:
@@ -173,9 +183,12 @@ def test_every_path_a_document_names_exists(doc):
         if re.match(r"[a-z][a-z0-9+.-]*:", target):
             problems.append(f"link out of the repository: {target}")
             continue
-        path = target.split("#", 1)[0]
-        if path and not os.path.exists(os.path.join(ROOT, os.path.dirname(doc), path)):
+        path, _, anchor = target.partition("#")
+        full = os.path.join(ROOT, os.path.dirname(doc), path) if path else os.path.join(ROOT, doc)
+        if not os.path.exists(full):
             problems.append(f"link to a missing file: {target}")
+        elif anchor and full.endswith(".md") and anchor not in _anchors(full):
+            problems.append(f"link to a missing heading: {target}")
     for span in re.findall(r"`([^`\n]+)`", prose):
         p = _code_span_problem(span.strip())
         if p:
