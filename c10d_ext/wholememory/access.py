@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .tensor import ChunkedTensor, DistributedTensor, agree_on_error, fail, meta_of
+from .errors import agree_on_error, fail
+from .tensor import ChunkedTensor, DistributedTensor, meta_of
 
 
 BAD_PEER = "rank {rank} passed bad input (its error says what); nothing was moved"

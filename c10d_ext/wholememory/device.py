@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from . import tensor as _tensor  # (tensor.py imports this module: names looked up at call time)
+from .errors import agree_on_error, fail
 
 
 def memory_kind() -> str:
@@ -59,12 +59,12 @@ def resolve_device(op, group, device, required: bool, what: str = "this tensor")
         d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if d.type == "cpu":
             if required:
-                _tensor.fail(op, group, f"{what} lives in CUDA memory; device={device!r} is not a CUDA device")
+                fail(op, group, f"{what} lives in CUDA memory; device={device!r} is not a CUDA device")
             return None
         if d.type != "cuda":
-            _tensor.fail(op, group, f"device must be a CPU or CUDA device, got {d}")
+            fail(op, group, f"device must be a CPU or CUDA device, got {d}")
         if not memory_kind():
-            _tensor.fail(op, group, f"no CUDA memory in this build (device={device!r})", NotImplementedError)
+            fail(op, group, f"no CUDA memory in this build (device={device!r})", NotImplementedError)
         return d.index if d.index is not None else current_device()
     dev = current_device()
     if dev is None and required:
@@ -75,7 +75,7 @@ def resolve_device(op, group, device, required: bool, what: str = "this tensor")
             why = "no CUDA device is available to this process"
         else:
             why = "this process has no CUDA device: call torch.cuda.set_device(local_rank) first"
-        _tensor.fail(op, group, f"{what} lives in CUDA memory and {why}")
+        fail(op, group, f"{what} lives in CUDA memory and {why}")
     return dev
 
 
@@ -110,7 +110,7 @@ def _exchange(op, group, members, index, fd: int, nbytes: int) -> list[tuple[int
                 if entry is not None and entry[0] >= 0:
                     os.close(entry[0])
             missing = [members[i] for i, g in enumerate(got) if g is None]
-            _tensor.fail(op, group, f"no memory handle came from rank(s) {missing} within {timeout:.0f} s ({e})", RuntimeError)
+            fail(op, group, f"no memory handle came from rank(s) {missing} within {timeout:.0f} s ({e})", RuntimeError)
     return got
 
 
@@ -132,7 +132,7 @@ def map_region(op, group, members, index, device: int, sizes: list[int], contigu
         region = _C._SharedRegion(device, sizes[index])
     except RuntimeError as e:
         error = RuntimeError(f"myccl: {op} (rank {group.rank()}): {e}")
-    _tensor.agree_on_error(op, group, error, "rank {rank} could not make its device memory (its error says why)",
+    agree_on_error(op, group, error, "rank {rank} could not make its device memory (its error says why)",
                    RuntimeError)
     fd = region.export_fd()
     try:
@@ -143,7 +143,7 @@ def map_region(op, group, members, index, device: int, sizes: list[int], contigu
     try:
         for i, (_, b) in enumerate(got):
             if b != sizes[i]:
-                _tensor.fail(op, group, f"local rank {i} made {b} bytes, this rank expected {sizes[i]}", RuntimeError)
+                fail(op, group, f"local rank {i} made {b} bytes, this rank expected {sizes[i]}", RuntimeError)
         region.map([f for f, _ in got], sizes, index, contiguous)
     except RuntimeError as e:
         error = e
@@ -151,7 +151,7 @@ def map_region(op, group, members, index, device: int, sizes: list[int], contigu
         for f, _ in got:
             if f >= 0:
                 os.close(f)
-    _tensor.agree_on_error(op, group, error, "rank {rank} could not map the device memory (its error says why)", RuntimeError)
+    agree_on_error(op, group, error, "rank {rank} could not map the device memory (its error says why)", RuntimeError)
     return region
 
 

@@ -21,7 +21,8 @@ import re
 import torch
 
 from . import comm as comm_mod
-from .tensor import WmTensorType, agree_on_error, create_wm_tensor, local_partition, meta_of
+from .errors import agree_on_error
+from .tensor import WmTensorType, create_wm_tensor, local_partition, meta_of
 
 
 def part_file_name(prefix: str, i: int, n: int) -> str:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from . import comm as comm_mod
 from . import device as device_mod
+from .errors import agree_on_error, fail  # noqa: F401 (agree_on_error: also this module's name for it)
 
 __all__ = ["WmTensorType", "ChunkedTensor", "DistributedTensor", "NCCLTensor", "create_wm_tensor",
            "get_tensor_view", "local_partition", "get_partition_plan", "get_wm_tensor_type", "is_wm_tensor",
@@ -44,33 +45,6 @@ class WmTensorType(enum.Enum):
     CHUNKED = 2
     DISTRIBUTED = 3
     NCCL = 3
-
-
-def _rank(group) -> int | None:
-    """This process's rank in ``group`` (None: the default group; None without one). The group's
-    own rank(): torch's get_rank needs a default group, which a communicator does without."""
-    if isinstance(group, dist.ProcessGroup):
-        return group.rank()
-    return dist.get_rank() if dist.is_initialized() else None
-
-
-def fail(op: str, group, text: str, exc=ValueError):
-    """Raises the project's error form: the op, this rank (in the group) and what is wrong."""
-    rank = _rank(group)
-    raise exc(f"myccl: {op}{'' if rank is None else f' (rank {rank})'}: {text}")
-
-
-def agree_on_error(op: str, group, error: BaseException | None, others: str, exc=ValueError) -> None:
-    """Collective: every rank learns whether any rank failed before a step all must take together.
-    The rank that failed raises its own error; the others raise ``others`` (with ``{rank}``, the
-    first rank that failed), so none waits in a step the others skip."""
-    flags = torch.zeros(group.size(), dtype=torch.int32)
-    flags[group.rank()] = error is not None
-    dist.all_reduce(flags, group=group)
-    if error is not None:
-        raise error
-    if flags.any():
-        fail(op, group, others.format(rank=int(flags.nonzero()[0])), exc)
 
 
 def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
