@@ -46,3 +46,106 @@ def test_modules_import_one_way():
 
     cycles = [c for c in (cycle_from(m) for m in sorted(mods)) if c]
     assert not cycles, cycles
+
+
+def _swap_in_threads(n: int, timeout: float, silent: tuple = ()):
+    """n mailboxes in this process, one thread each (the protocol is the processes' one: abstract
+    sockets, SCM_RIGHTS); each sends a memfd holding its index. ``silent`` ones bind but never
+    swap. Returns per index: the (content of each received descriptor, bytes) or the exception."""
+    import secrets
+    import threading
+
+    from c10d_ext.wholememory.descriptors import Mailbox
+
+    token = secrets.token_hex(8)
+    names = [f"\0myccl-wm-test-{token}-{i}" for i in range(n)]
+    boxes = [Mailbox(names, i) for i in range(n)]
+    out = [None] * n
+
+    def one(i):
+        fd = os.memfd_create(f"wm-test-{i}")
+        os.write(fd, bytes([i]))
+        try:
+            got = boxes[i].swap(fd, 1000 + i, timeout)
+            seen = []
+            for f, b in got:
+                seen.append((None if f < 0 else os.pread(f, 1, 0)[0], b))
+                if f >= 0:
+                    os.close(f)
+            out[i] = seen
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n) if i not in silent]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 60)
+    hung = [t for t in threads if t.is_alive()]
+    for b in boxes:
+        b.close()
+    assert not hung, f"{len(hung)} of {n} mailboxes still exchanging"
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 13, 40])
+def test_descriptor_exchange_any_rank_count(n):
+    """Every rank sends every other its descriptor: more ranks than a datagram queue holds
+    (net.unix.max_dgram_qlen, 10 by default) must not block (a send-everything-first protocol
+    deadlocks there: every queue full, every rank in a send)."""
+    out = _swap_in_threads(n, timeout=60)
+    for i, seen in enumerate(out):
+        assert not isinstance(seen, Exception), (i, seen)
+        want = [(None if j == i else j, 1000 + j) for j in range(n)]
+        assert seen == want, (i, seen)
+    assert not [f for f in os.listdir("/proc/self/fd") if "wm-test" in os.path.realpath(f"/proc/self/fd/{f}")]
+
+
+def test_descriptor_exchange_names_the_missing():
+    """A peer that never sends: the others give up at the timeout naming it, holding nothing."""
+    from c10d_ext.wholememory.descriptors import MissingPeers
+
+    out = _swap_in_threads(4, timeout=2, silent=(2,))
+    for i in (0, 1, 3):
+        assert isinstance(out[i], MissingPeers) and out[i].missing == [2], out[i]
+
+
+def _double_start(ctx, timeout=60):
+    """On the double: this rank's device (devices alternate), CPU tensors standing for CUDA ones."""
+    import cuda_double
+
+    ctx.init(timeout=timeout)
+    cuda_double.set_device(ctx.rank % 2)
+    return ctx.rank % 2
+
+
+def _double_world():
+    from test_cuda import DOUBLE
+
+    return DOUBLE
+
+
+def body_many_ranks(ctx):
+    import c10d_ext.wholememory as wm
+
+    _double_start(ctx)
+    r, n = ctx.rank, ctx.size
+    out = []
+    for kind in (wm.WmTensorType.DEVICE, wm.WmTensorType.CHUNKED):
+        t = wm.create_wm_tensor(None, [n * 4, 3], [], torch.int64, kind)
+        part, first = wm.local_partition(t)
+        part.copy_(torch.arange(first, first + part.shape[0]).unsqueeze(1).expand(-1, 3))
+        dist.barrier()
+        out.append(torch.equal(wm.gather(t, torch.arange(n * 4)), torch.arange(n * 4).unsqueeze(1).expand(-1, 3)))
+        dist.barrier()
+        del t, part
+    return out
+
+
+@pytest.mark.slow
+def test_cuda_kinds_at_13_ranks(run):
+    """DEVICE and CUDA CHUNKED made by 13 local ranks (more than a datagram queue holds), values read back."""
+    for out in run(13, body_many_ranks, world_env=_double_world(), timeout=300):
+        assert out == [True, True], out

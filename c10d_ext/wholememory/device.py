@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
-import struct
 
 import torch
 import torch.distributed as dist
 
 from .. import _C
+from .descriptors import Mailbox, MissingPeers
 from .errors import agree_on_error, fail
 
 
@@ -87,31 +86,22 @@ def _exchange(op, group, members, index, fd: int, nbytes: int) -> list[tuple[int
         return [(-1, nbytes)]
     token = [secrets.token_hex(8) if index == 0 else None]
     dist.broadcast_object_list(token, group=group, group_src=members[0])  # (a communicator has no global ranks)
-    name = lambda i: f"\0myccl-wm-{token[0]}-{i}"  # noqa: E731 (abstract: no file, gone with the socket)
+    names = [f"\0myccl-wm-{token[0]}-{i}" for i in range(n)]  # abstract: no file, gone with the socket
     timeout = _timeout(group)
-    got: list[tuple[int, int] | None] = [None] * n
-    got[index] = (-1, nbytes)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.bind(name(index))
-        s.settimeout(timeout)
-        dist.barrier(group=group)  # every rank's socket exists
+    box, error = None, None
+    try:
+        box = Mailbox(names, index)
+    except OSError as e:
+        error = RuntimeError(f"myccl: {op} (rank {group.rank()}): cannot open a socket for the memory handles: {e}")
+    agree_on_error(op, group, error, "rank {rank} cannot take memory handles (its error says why)", RuntimeError)
+    with box:  # every rank's socket exists: the agreement was a barrier
         try:
-            for j in range(n):
-                if j != index:
-                    # (socket.send_fds ignores its address argument: sendmsg with SCM_RIGHTS directly)
-                    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))] if fd >= 0 else []
-                    s.sendmsg([struct.pack("qq", index, nbytes)], rights, 0, name(j))
-            for _ in range(n - 1):
-                msg, fds, _, _ = socket.recv_fds(s, 16, 1)
-                i, b = struct.unpack("qq", msg)
-                got[i] = (fds[0] if fds else -1, b)
-        except (TimeoutError, OSError) as e:
-            for entry in got:
-                if entry is not None and entry[0] >= 0:
-                    os.close(entry[0])
-            missing = [members[i] for i, g in enumerate(got) if g is None]
-            fail(op, group, f"no memory handle came from rank(s) {missing} within {timeout:.0f} s ({e})", RuntimeError)
-    return got
+            return box.swap(fd, nbytes, timeout)
+        except MissingPeers as e:
+            missing = [members[i] for i in e.missing]
+            fail(op, group, f"no memory handle came from rank(s) {missing} within {timeout:.0f} s", RuntimeError)
+        except OSError as e:
+            fail(op, group, f"passing the memory handles failed: {e}", RuntimeError)
 
 
 def _timeout(group) -> float:
