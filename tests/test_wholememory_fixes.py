@@ -149,3 +149,50 @@ def test_cuda_kinds_at_13_ranks(run):
     """DEVICE and CUDA CHUNKED made by 13 local ranks (more than a datagram queue holds), values read back."""
     for out in run(13, body_many_ranks, world_env=_double_world(), timeout=300):
         assert out == [True, True], out
+
+
+def body_export_fails(ctx, kind_name):
+    """Rank 1's export of its memory handle fails: every rank raises (rank 1 its own error, the
+    others naming it), nothing stays allocated, and the next creation works."""
+    import gc
+
+    import cuda_double
+
+    import c10d_ext.wholememory as wm
+    from c10d_ext import _C
+
+    _double_start(ctx, timeout=30)
+    kind = getattr(wm.WmTensorType, kind_name)
+    before = cuda_double.counters().get("mem_handles", 0)
+    original = _C._SharedRegion.export_fd
+
+    def broken(self):
+        raise RuntimeError("cuMemExportToShareableHandle failed: out of file descriptors (injected)")
+
+    if ctx.rank == 1:
+        _C._SharedRegion.export_fd = broken
+    try:
+        wm.create_wm_tensor(None, [64, 4], [], torch.float32, kind)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        _C._SharedRegion.export_fd = original
+    gc.collect()
+    _C._cuda_memory_quiesce()
+    left = cuda_double.counters().get("mem_handles", 0) - before
+    t = wm.create_wm_tensor(None, [64, 4], [], torch.float32, kind)
+    ok = torch.equal(wm.gather(t, torch.tensor([0, 63])), torch.zeros(2, 4))
+    return error, left, ok
+
+
+@pytest.mark.parametrize("kind", ["DEVICE", "CHUNKED"])
+def test_failed_export_fails_every_rank(run, kind):
+    res = run(3, body_export_fails, kind, world_env=_double_world(), timeout=120)
+    for rank, (error, left, ok) in enumerate(res):
+        assert error is not None and f"(rank {rank})" in error, (rank, error)
+        if rank == 1:
+            assert "out of file descriptors (injected)" in error, error
+        else:
+            assert "rank 1 could not make or export its device memory" in error, error
+        assert left == 0 and ok, (rank, left, ok)

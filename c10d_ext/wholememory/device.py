@@ -117,24 +117,29 @@ def map_region(op, group, members, index, device: int, sizes: list[int], contigu
     """Makes this rank's ``sizes[index]`` bytes on ``device`` and maps every local rank's pages
     (``sizes`` in whole granules, the same list on every rank). Collective; a failure on any
     rank fails every rank. Returns the region (_C._SharedRegion)."""
-    region, error = None, None
-    try:
+    region, fd, error = None, -1, None
+    try:  # made and exported before the first agreement: a rank failing either fails every rank there
         region = _C._SharedRegion(device, sizes[index])
+        fd = region.export_fd()
     except RuntimeError as e:
         error = RuntimeError(f"myccl: {op} (rank {group.rank()}): {e}")
-    agree_on_error(op, group, error, "rank {rank} could not make its device memory (its error says why)",
-                   RuntimeError)
-    fd = region.export_fd()
+    got = []
     try:
-        got = _exchange(op, group, members, index, fd, sizes[index])
+        agree_on_error(op, group, error, "rank {rank} could not make or export its device memory (its error "
+                       "says why)", RuntimeError)
+        try:
+            got = _exchange(op, group, members, index, fd, sizes[index])
+        except RuntimeError as e:  # (the exchange's failure is this rank's: the next agreement tells the others)
+            error = e
     finally:
         if fd >= 0:
             os.close(fd)
     try:
-        for i, (_, b) in enumerate(got):
-            if b != sizes[i]:
-                fail(op, group, f"local rank {i} made {b} bytes, this rank expected {sizes[i]}", RuntimeError)
-        region.map([f for f, _ in got], sizes, index, contiguous)
+        if error is None:
+            for i, (_, b) in enumerate(got):
+                if b != sizes[i]:
+                    fail(op, group, f"local rank {i} made {b} bytes, this rank expected {sizes[i]}", RuntimeError)
+            region.map([f for f, _ in got], sizes, index, contiguous)
     except RuntimeError as e:
         error = e
     finally:
