@@ -196,3 +196,50 @@ def test_failed_export_fails_every_rank(run, kind):
         else:
             assert "rank 1 could not make or export its device memory" in error, error
         assert left == 0 and ok, (rank, left, ok)
+
+
+def body_distributed_disagree(ctx):
+    """A DISTRIBUTED tensor whose ranks differ in MYCCL_WM_DIRECT, then in where the parts go: each
+    a clear error on every rank (not a gather that runs two protocols at once), and the group
+    goes on."""
+    import c10d_ext.wholememory as wm
+
+    ctx.init(timeout=30)
+    out = []
+    saved = os.environ.get("MYCCL_WM_DIRECT")
+    os.environ["MYCCL_WM_DIRECT"] = "0" if ctx.rank == 1 else "1"
+    try:
+        wm.create_wm_tensor(None, [8, 2], [], torch.float32, wm.WmTensorType.DISTRIBUTED)
+        out.append(None)
+    except ValueError as e:
+        out.append(str(e))
+    finally:
+        if saved is None:
+            os.environ.pop("MYCCL_WM_DIRECT", None)
+        else:
+            os.environ["MYCCL_WM_DIRECT"] = saved
+    device = "cuda" if ctx.rank == 1 else "cpu"
+    try:
+        wm.create_wm_tensor(None, [8, 2], [], torch.float32, wm.WmTensorType.DISTRIBUTED, device=device)
+        out.append(None)
+    except ValueError as e:
+        out.append(str(e))
+    t = wm.create_wm_tensor(None, [8, 2], [], torch.float32, wm.WmTensorType.DISTRIBUTED)
+    out.append(tuple(wm.gather(t, torch.tensor([7, 0])).shape))
+    return out
+
+
+def test_distributed_creation_agrees_on_direct_and_device(run):
+    res = run(3, body_distributed_disagree, timeout=90)
+    for rank, (direct, device, shape) in enumerate(res):
+        assert direct is not None and f"(rank {rank})" in direct, direct
+        assert "ranks disagree on the MYCCL_WM_DIRECT setting" in direct, direct
+        assert ("this rank asked for MYCCL_WM_DIRECT=0" in direct) == (rank == 1), direct
+        assert device is not None and f"(rank {rank})" in device, device
+        if torch.cuda.is_available():  # rank 1's parts on its GPU, the others' in host memory
+            assert "ranks disagree on the memory (host or CUDA device)" in device, device
+        elif rank == 1:
+            assert "no CUDA device is available" in device, device
+        else:
+            assert "rank 1 cannot place this tensor" in device, device
+        assert shape == (2, 2), shape

@@ -281,17 +281,21 @@ def create_wm_tensor(group=None, sizes=None, strides=(), tensor_dtype=torch.floa
         fail(op, group, f"dtype {tensor_dtype} is not supported (one of {', '.join(str(d) for d in _DTYPES)})")
     shape, stride = _check_layout(op, group, sizes, strides)
     cuda, error = None, None  # the CUDA device of a mapped kind's memory or view, None for host memory
-    if kind is not WmTensorType.DISTRIBUTED:
-        try:
+    where, direct = None, None  # DISTRIBUTED: where its parts live; whether one host's parts are read in place
+    try:
+        if kind is WmTensorType.DISTRIBUTED:
+            where = _device(op, group, device)
+            direct = f"MYCCL_WM_DIRECT={int(_direct_allowed())}"
+        else:
             cuda = device_mod.resolve_device(op, group, device, kind is WmTensorType.DEVICE, f"a {kind.name} tensor")
-        except (ValueError, NotImplementedError) as e:
-            error = e
-    _agree(op, group, (kind.value, shape, stride, str(tensor_dtype), "host" if cuda is None else "cuda"), error)
+    except (ValueError, NotImplementedError) as e:
+        error = e
+    on_cuda = cuda is not None or (where is not None and where.type == "cuda")
+    _agree(op, group, (kind.value, shape, stride, str(tensor_dtype), "cuda" if on_cuda else "host", direct), error)
     storage_rows = shape[0] * stride[0]
     if kind is WmTensorType.DISTRIBUTED:
         n, me = group.size(), group.rank()
         meta = _Meta(kind, group, shape, stride, tensor_dtype, list(range(n)), me, 0, 1)
-        where = _device(op, group, device)
         be = _one_host_backend(group) if where.type == "cpu" else None
         if be is not None:  # each part in shared memory its rank makes: gathers read rows where they lie
             peers = _parts_in_shared_memory(be, meta)
@@ -333,13 +337,19 @@ def _parts_in_shared_memory(be, meta: _Meta) -> list[torch.Tensor]:
             for i, (_, count) in enumerate(meta.parts)]
 
 
-def _one_host_backend(group):
-    """The group's myccl backend where its ranks share one host's memory and direct access is
-    allowed (MYCCL_WM_DIRECT); else None."""
-    from .. import _C
+def _direct_allowed() -> bool:
+    """MYCCL_WM_DIRECT: whether one host's DISTRIBUTED parts may be read where they lie."""
     from ..config import parse_env
 
-    if not parse_env()["wm_direct"] or group.size() == 1:
+    return bool(parse_env()["wm_direct"])
+
+
+def _one_host_backend(group):
+    """The group's myccl backend where its ranks share one host's memory and direct access is
+    allowed (MYCCL_WM_DIRECT, which every rank agreed on); else None."""
+    from .. import _C
+
+    if not _direct_allowed() or group.size() == 1:
         return None
     be = group._get_backend(torch.device("cpu"))
     ok = isinstance(be, _C.MycclBackend) and be.cross_size == 1 and be.uses_shared_memory
@@ -349,11 +359,16 @@ def _one_host_backend(group):
 def _device(op, group, device) -> torch.device:
     """Where a DISTRIBUTED tensor's parts live."""
     if device is not None:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        try:
+            device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        except (RuntimeError, TypeError) as e:
+            fail(op, group, f"device must be a CPU or CUDA device, got {device!r} ({e})")
         if device.type not in ("cpu", "cuda"):
             fail(op, group, f"device must be a CPU or CUDA device, got {device}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            fail(op, group, f"device={device} but no CUDA device is available to this process")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         return device
     if torch.cuda.is_available() and comm_mod.backend_name(group) in ("myccl", "nccl"):
         return torch.device("cuda", torch.cuda.current_device())
@@ -377,7 +392,8 @@ def _agree(op, group, what, error: BaseException | None = None) -> None:
         fail(op, group, f"rank {failed} cannot place this tensor (its error says why)")
     for r, (other, _) in enumerate(got):
         if other != what:
-            names = ("kind", "shape", "stride", "dtype", "memory (host or CUDA device)")
+            names = ("kind", "shape", "stride", "dtype", "memory (host or CUDA device)",
+                     "MYCCL_WM_DIRECT setting (one host's parts read in place)")
             diff = next(i for i in range(len(what)) if other[i] != what[i])
             mine, theirs = what[diff], other[diff]
             if diff == 0:
