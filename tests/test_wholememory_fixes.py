@@ -243,3 +243,55 @@ def test_distributed_creation_agrees_on_direct_and_device(run):
         else:
             assert "rank 1 cannot place this tensor" in device, device
         assert shape == (2, 2), shape
+
+
+def body_direct_gather_then_write(ctx, wait_s):
+    """DISTRIBUTED on one host, its parts read in place. Rank 0 gathers every row; the others
+    gather none and, the moment their gather returns, overwrite their own part. Rank 0's row
+    reads are held until another rank says it wrote (or ``wait_s`` passed): a gather that let
+    ranks return while others still read would hand rank 0 the new values."""
+    from datetime import timedelta
+
+    import c10d_ext.wholememory as wm
+    from c10d_ext import _C
+
+    ctx.init(timeout=60)
+    r, n = ctx.rank, ctx.size
+    rows = 8 * n
+    store = ctx.store("written")
+    t = wm.create_wm_tensor(None, [rows, 3], [], torch.float32, wm.WmTensorType.DISTRIBUTED)
+    if t._peers is None:
+        return "not the direct path"
+    part, first = wm.local_partition(t)
+    part.copy_(torch.arange(first, first + part.shape[0], dtype=torch.float32).unsqueeze(1).expand(-1, 3))
+    original = _C._wm_gather_rows
+
+    def held(*args):
+        store.set_timeout(timedelta(seconds=wait_s))
+        try:
+            store.wait(["1"])
+        except Exception:  # noqa: BLE001 (no rank wrote while this one reads: the consistent case)
+            pass
+        return original(*args)
+
+    if r == 0:
+        _C._wm_gather_rows = held
+    try:
+        got = wm.gather(t, torch.arange(rows) if r == 0 else torch.empty(0, dtype=torch.int64))
+    finally:
+        _C._wm_gather_rows = original
+    if r != 0:
+        wm.get_local_tensor(t).fill_(-1)
+        store.set(str(r), "done")
+    dist.barrier()
+    if r == 0:
+        want = torch.arange(rows, dtype=torch.float32).unsqueeze(1).expand(-1, 3)
+        return None if torch.equal(got, want) else f"rank 0 read rows written after its gather began: {got[:, 0].tolist()}"
+    return None
+
+
+def test_direct_gather_is_read_before_any_rank_returns(run):
+    """The promise (docs/WHOLEMEMORY.md): a gather returns the rows as every rank's earlier writes
+    left them, and a rank whose gather returned may write its own part at once."""
+    for res in run(3, body_direct_gather_then_write, 2, timeout=120):
+        assert res is None, res

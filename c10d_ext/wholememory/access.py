@@ -291,9 +291,11 @@ def _place(out_flat, per_row, work, got, places) -> None:
 
 
 def _direct_gather(t: DistributedTensor, indices) -> torch.Tensor:
-    """One host: every part is mapped here, so the rows are read where they lie. Still collective:
-    the ranks first agree that nobody's input is bad, which also orders this gather after every
-    rank's previous access (a scatter's rows are all in place)."""
+    """One host: every part is mapped here, so the rows are read where they lie. Collective, with
+    the exchange's consistency: the ranks first agree that nobody's input is bad, which orders
+    this gather after every rank's earlier writes (a scatter's rows, writes to its own part), and
+    agree again once every rank has read, so that no rank returns (and goes on to write its own
+    part) while another still reads that part."""
     m = t._meta
     error = None
     try:
@@ -302,8 +304,12 @@ def _direct_gather(t: DistributedTensor, indices) -> torch.Tensor:
         error = e
     agree_on_error("gather", m.group, error, BAD_PEER)
     out = result_rows(idx.numel(), tuple(m.shape[1:]), m.dtype)
-    if idx.numel():
-        _C._wm_gather_rows(t._peers, m.parts[0][1], m.rows, m.stride[0], idx, out)
+    try:
+        if idx.numel():
+            _C._wm_gather_rows(t._peers, m.parts[0][1], m.rows, m.stride[0], idx, out)
+    except RuntimeError as e:
+        error = e
+    agree_on_error("gather", m.group, error, "rank {rank} failed reading rows (its error says why)", RuntimeError)
     return out
 
 
