@@ -295,3 +295,45 @@ def test_direct_gather_is_read_before_any_rank_returns(run):
     left them, and a rank whose gather returned may write its own part at once."""
     for res in run(3, body_direct_gather_then_write, 2, timeout=120):
         assert res is None, res
+
+
+def body_scratch_bounded(ctx, keep):
+    """Exchange gathers and scatters far larger than the staging a tensor keeps: values right,
+    and what stays with the tensor afterwards within the bound; a small call then reuses it."""
+    import c10d_ext.wholememory as wm
+    from c10d_ext.wholememory import access
+
+    ctx.init(timeout=60)
+    r, n = ctx.rank, ctx.size
+    rows, dim = 64, 16
+    saved = getattr(access, "SCRATCH_KEEP", None)
+    access.SCRATCH_KEEP = keep
+    try:
+        t = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.DISTRIBUTED)
+        ref = torch.arange(rows * dim, dtype=torch.float32).view(rows, dim)
+        part, first = wm.local_partition(t)
+        part.copy_(ref[first:first + part.shape[0]])
+        bad = []
+        idx = torch.arange(rows).repeat(8)  # 512 rows of 64 bytes each way: 32 KiB of staging
+        if not torch.equal(wm.gather(t, idx), ref[idx]):
+            bad.append("large gather")
+        mine = torch.arange(r, rows, n)
+        wm.scatter(t, -ref[mine].repeat(8, 1), mine.repeat(8))
+        if not torch.equal(wm.gather(t, torch.arange(rows)), -ref):
+            bad.append("large scatter")
+        kept = {k: v.numel() * v.element_size() for k, v in t._scratch.items()}
+        if sum(kept.values()) > 2 * keep:
+            bad.append(f"staging kept after large calls: {kept}")
+        if not torch.equal(wm.gather(t, torch.tensor([1, r])), -ref[[1, r]]):
+            bad.append("small gather")
+        small = {k: v.numel() * v.element_size() for k, v in t._scratch.items()}
+        if not small or sum(small.values()) > 2 * keep:
+            bad.append(f"staging after a small call: {small}")
+        return bad
+    finally:
+        access.SCRATCH_KEEP = saved
+
+
+def test_scratch_is_bounded(run):
+    for bad in run(2, body_scratch_bounded, 2048, env={"MYCCL_WM_DIRECT": "0"}, timeout=90):
+        assert not bad, bad

@@ -313,11 +313,20 @@ def _direct_gather(t: DistributedTensor, indices) -> torch.Tensor:
     return out
 
 
+# Bytes of one staging buffer a tensor keeps between calls. A call that needs more stages in a
+# buffer of its own, freed when it returns: one large gather does not pin its size for the
+# tensor's life.
+SCRATCH_KEEP = 16 << 20
+
+
 def _scratch(t: DistributedTensor, name: str, n: int, row_shape: tuple) -> torch.Tensor:
-    """A buffer of n rows kept with the tensor between calls: the exchanges' staging, whose pages
-    are then already there (a fresh buffer of that size costs as much as the copy into it)."""
+    """A buffer of n rows for the exchanges' staging. Up to SCRATCH_KEEP bytes it is kept with the
+    tensor and reused (its pages are then already there: a fresh buffer of that size costs as
+    much as the copy into it); a larger one lives for the call only."""
     need = n * math.prod(row_shape)
     buf = t._scratch.get(name)
     if buf is None or buf.numel() < need:
-        buf = t._scratch[name] = torch.empty(max(need, 1), dtype=t.dtype, device=t.device)
+        buf = torch.empty(max(need, 1), dtype=t.dtype, device=t.device)
+        if buf.numel() * buf.element_size() <= SCRATCH_KEEP:
+            t._scratch[name] = buf
     return buf[:need].view((n,) + row_shape)
