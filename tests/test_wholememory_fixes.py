@@ -337,3 +337,30 @@ def body_scratch_bounded(ctx, keep):
 def test_scratch_is_bounded(run):
     for bad in run(2, body_scratch_bounded, 2048, env={"MYCCL_WM_DIRECT": "0"}, timeout=90):
         assert not bad, bad
+
+
+def body_zero_filled(ctx):
+    """Every kind starts zero-filled, CUDA memory included (the double's fresh device memory
+    holds 0xA5 bytes, as real fresh memory holds whatever was there)."""
+    import c10d_ext.wholememory as wm
+
+    _double_start(ctx)
+    K = wm.WmTensorType
+    not_zero = []
+    for kind, shape, stride, device in ((K.DEVICE, [1000, 700], [], None), (K.CHUNKED, [37, 5], [8, 1], None),
+                                        (K.HOST, [21, 3], [], None), (K.CHUNKED, [37, 5], [], "cpu"),
+                                        (K.DISTRIBUTED, [37, 5], [], None)):
+        t = wm.create_wm_tensor(None, shape, stride, torch.float32, kind, device=device)
+        whole = t.get_all_chunked_tensor() if kind is K.CHUNKED else [wm.get_local_tensor(t)]
+        if kind in (K.DEVICE, K.HOST):
+            whole = [t]
+        if any(x.count_nonzero().item() for x in whole):
+            not_zero.append(f"{kind.name} on {device or 'the default device'}")
+        dist.barrier()
+        del t, whole
+    return not_zero
+
+
+def test_every_kind_is_zero_filled(run):
+    for not_zero in run(3, body_zero_filled, world_env=_double_world(), timeout=120):
+        assert not not_zero, not_zero

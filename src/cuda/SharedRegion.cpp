@@ -155,6 +155,7 @@ void SharedRegion::map(const std::vector<int>& fds, const std::vector<size_t>& s
     ranges_.push_back(Range{mem_->reserve(total), total, {}});
   }
   size_t offset = 0;
+  uintptr_t ownVa = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (sizes[i] == 0) continue;
     MemHandle h = own_;
@@ -169,10 +170,12 @@ void SharedRegion::map(const std::vector<int>& fds, const std::vector<size_t>& s
     Range& r = ranges_.back();
     mem_->map(r.va + offset, sizes[i], h);
     r.mapped.emplace_back(r.va + offset, sizes[i]);
+    if (static_cast<int>(i) == mine) ownVa = r.va + offset;
     partRange_[i] = static_cast<int>(ranges_.size()) - 1;
     offset += sizes[i];
   }
   grant(device_);
+  if (haveOwn_) mem_->zero(ownVa, bytes_, device_);  // each process clears its own pages, once
 }
 
 void SharedRegion::grant(int device) {

@@ -55,6 +55,10 @@ class Memory {
   virtual void map(uintptr_t va, size_t bytes, MemHandle h) = 0;
   virtual void setAccess(uintptr_t va, size_t bytes, int device) = 0;
   virtual void unmap(uintptr_t va, size_t bytes) = 0;
+  // Zeroes [va, va + bytes), mapped memory `device` may use, and returns once that is done
+  // (cudaMemsetAsync on the device's current stream, and a wait for it): fresh physical memory
+  // holds whatever was there before (cuMemCreate does not clear it).
+  virtual void zero(uintptr_t va, size_t bytes, int device) = 0;
   // Blocks until every stream of `device` has run what it holds (cudaDeviceSynchronize): memory is
   // unmapped or unregistered only once no kernel queued before can still touch it (a tensor's
   // deleter runs when the last reference goes, not when the last kernel using it has run).

@@ -37,7 +37,8 @@ class SharedRegion : public std::enable_shared_from_this<SharedRegion> {
   // Maps every part, in order: part i is `fds[i]` (ignored for `mine`, whose pages are this
   // process's own; -1 for a part with no pages) of `sizes[i]` bytes (each a multiple of the
   // granularity). contiguous: one range holding the parts back to back; else one range per
-  // part. The device this region was made for gets access. Once only.
+  // part. The device this region was made for gets access, and this process's own pages are
+  // zeroed (every process zeroes its own: the memory is zero-filled once all have mapped). Once only.
   void map(const std::vector<int>& fds, const std::vector<size_t>& sizes, int mine, bool contiguous);
   // A tensor over part `part` (-1: the whole contiguous range), starting `offset` bytes in, seen
   // from `device` (granted access first if it has none yet). It keeps the region alive.

@@ -112,6 +112,16 @@ class DoubleMemory final : public Memory {
       close(fd);
       TORCH_CHECK(false, "myccl: cuda double: cuMemCreate of ", bytes, " bytes: ", std::strerror(e));
     }
+    // Fresh device memory holds whatever was there before: here 0xA5 bytes, so that reading memory
+    // nobody cleared shows (a new memfd reads as zeros and would hide it).
+    void* fresh = mmap(nullptr, bytes, PROT_WRITE, MAP_SHARED, fd, 0);
+    if (fresh == MAP_FAILED) {
+      const int e = errno;
+      close(fd);
+      TORCH_CHECK(false, "myccl: cuda double: cuMemCreate of ", bytes, " bytes: ", std::strerror(e));
+    }
+    std::memset(fresh, 0xA5, bytes);
+    munmap(fresh, bytes);
     m_->count("mem_creates");
     return add(fd, bytes);
   }
@@ -205,6 +215,19 @@ class DoubleMemory final : public Memory {
     TORCH_CHECK(got != MAP_FAILED, "myccl: cuda double: cuMemUnmap: ", std::strerror(errno));
     mapped_.erase(it);
     m_->count("mem_mapped", -1);
+  }
+
+  void zero(uintptr_t va, size_t bytes, int device) override {
+    m_->checkIndex(device, "cudaMemsetAsync");
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!usable(va, va + bytes, device)) {
+        fail("cudaMemsetAsync on cuda:" + std::to_string(device) + " of [" + hex(va) + ", +" + std::to_string(bytes) +
+             "), memory that device was never given access to");
+      }
+    }
+    std::memset(reinterpret_cast<void*>(va), 0, bytes);
+    m_->count("mem_zeroed");
   }
 
   void synchronize(int device) override {

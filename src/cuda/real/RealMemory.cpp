@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -179,6 +180,13 @@ class RealMemory final : public Memory {
 
   void unmap(uintptr_t va, size_t bytes) override {
     check(ready().unmap(static_cast<CUdeviceptr>(va), bytes), "cuMemUnmap");
+  }
+
+  void zero(uintptr_t va, size_t bytes, int device) override {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    const auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+    C10_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(va), 0, bytes, stream.stream()));
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream.stream()));
   }
 
   void synchronize(int device) override {
