@@ -364,3 +364,34 @@ def body_zero_filled(ctx):
 def test_every_kind_is_zero_filled(run):
     for not_zero in run(3, body_zero_filled, world_env=_double_world(), timeout=120):
         assert not not_zero, not_zero
+
+
+def body_release_syncs_every_device(ctx):
+    """A DEVICE tensor made on this rank's device and viewed from the other one: when it goes,
+    both devices are synchronised before its memory is unmapped (kernels on either may still use
+    it), not the making device alone."""
+    import gc
+
+    import cuda_double
+
+    import c10d_ext.wholememory as wm
+    from c10d_ext import _C
+
+    device = _double_start(ctx)
+    other = 1 - device
+    t = wm.create_wm_tensor(None, [1000, 700], [], torch.float32, wm.WmTensorType.DEVICE)
+    view = wm.get_tensor_view(t, f"cuda:{other}")
+    before = cuda_double.counters()
+    del t, view
+    gc.collect()
+    _C._cuda_memory_quiesce()
+    after = cuda_double.counters()
+    dist.barrier()
+    return {d: after.get(f"mem_synchronize_cuda{d}", 0) - before.get(f"mem_synchronize_cuda{d}", 0)
+            for d in (device, other)}, after.get("mem_mapped", 0)
+
+
+def test_release_synchronises_every_device_given_access(run):
+    for synced, mapped in run(2, body_release_syncs_every_device, world_env=_double_world(), timeout=90):
+        assert all(v >= 1 for v in synced.values()), synced
+        assert mapped == 0, mapped

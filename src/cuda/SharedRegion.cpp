@@ -81,11 +81,13 @@ class Releaser {
 
 }  // namespace
 
-void releaseLater(std::shared_ptr<Memory> memory, int device, std::function<void()> release) {
-  Releaser::get().add([memory = std::move(memory), device, release = std::move(release)] {
-    try {
-      memory->synchronize(device);  // kernels queued on the memory before its last tensor went
-    } catch (const std::exception&) {
+void releaseLater(std::shared_ptr<Memory> memory, std::vector<int> devices, std::function<void()> release) {
+  Releaser::get().add([memory = std::move(memory), devices = std::move(devices), release = std::move(release)] {
+    for (int device : devices) {
+      try {
+        memory->synchronize(device);  // kernels queued on the memory before its last tensor went
+      } catch (const std::exception&) {
+      }
     }
     release();
   });
@@ -125,7 +127,7 @@ SharedRegion::~SharedRegion() {
   if (!mapped) {  // nothing mapped: no kernel can use it, give the handles back now
     release();
   } else {
-    releaseLater(mem_, device_, std::move(release));
+    releaseLater(mem_, std::vector<int>(granted_.begin(), granted_.end()), std::move(release));
   }
 }
 

@@ -56,7 +56,7 @@ void bindMemory(py::module& m) {
         return mem->tensorAt(static_cast<char*>(dbase) + offset, host.sizes(), host.strides(), host.scalar_type(),
                              device, [mem, base, device, keep = host]() mutable {
                                // after the kernels still queued on the view, off this thread
-                               myccl::cuda::releaseLater(mem, device, [mem, base, keep]() mutable {
+                               myccl::cuda::releaseLater(mem, {device}, [mem, base, keep]() mutable {
                                  try {
                                    mem->hostUnregister(base);
                                  } catch (const std::exception&) {

@@ -99,7 +99,10 @@ void contiguousRegionIsShared() {
     EXPECT(throws([&] { procs[0]->view(-1, 0, {n + 1}, {1}, at::kFloat, 0); }, "does not fit"), "oversized view");
   }
   quiesceSharedMemory();  // released on the releaser thread, after a device synchronisation
-  EXPECT(counter(*m, "mem_synchronize") == 3, "synchronised before unmapping: " << counter(*m, "mem_synchronize"));
+  // every device given access, before unmapping: process 1 (cuda:1) was viewed from cuda:0 too
+  EXPECT(counter(*m, "mem_synchronize_cuda0") == 3 && counter(*m, "mem_synchronize_cuda1") == 1,
+         "synchronised before unmapping: cuda:0 " << counter(*m, "mem_synchronize_cuda0") << " times, cuda:1 "
+                                                  << counter(*m, "mem_synchronize_cuda1"));
   EXPECT(counter(*m, "mem_mapped") == 0 && counter(*m, "mem_handles") == 0, "left mapped/held");
   EXPECT(memoryFds() == fdsBefore, "descriptors left: " << memoryFds() - fdsBefore);
   EXPECT(td::violations(*m).empty(), joined(td::violations(*m)));

@@ -5,8 +5,9 @@
 // Passing the descriptors between processes is the caller's (c10d_ext/wholememory/device.py:
 // SCM_RIGHTS over a Unix socket). The memory goes when the last process drops its last tensor:
 // every tensor keeps its region, and a region releases its handles and mappings when it goes:
-// on a thread of its own, after synchronising the device (the last tensor's deleter may run on
-// any thread, an engine's watchdog included, while kernels queued on the memory still run).
+// on a thread of its own, after synchronising every device given access to it (the last
+// tensor's deleter may run on any thread, an engine's watchdog included, while kernels queued on
+// the memory still run, on any of those devices).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -68,9 +69,10 @@ class SharedRegion : public std::enable_shared_from_this<SharedRegion> {
   std::set<int> granted_;
 };
 
-// Runs `release` on the shared-memory releaser thread, after synchronising `device` through
-// `memory`: how a region's mappings and a registered host range are given back.
-void releaseLater(std::shared_ptr<Memory> memory, int device, std::function<void()> release);
+// Runs `release` on the shared-memory releaser thread, after synchronising every device in
+// `devices` through `memory` (each device that was given access: kernels on any of them may still
+// use the memory): how a region's mappings and a registered host range are given back.
+void releaseLater(std::shared_ptr<Memory> memory, std::vector<int> devices, std::function<void()> release);
 // Blocks until every release handed over so far has run (tests, and before reporting leaks).
 void quiesceSharedMemory();
 

@@ -232,8 +232,17 @@ class DoubleMemory final : public Memory {
 
   void synchronize(int device) override {
     m_->checkIndex(device, "cudaDeviceSynchronize");
-    testdouble::synchronize(*m_);  // every stream of the machine: ops on these tensors run on them
+    Machine* m = m_.get();
+    for (auto& w : m->workers()) {  // every stream of this device, as CUDA's; none of another's
+      if (w->stream.device_index() != device) continue;
+      (void)w->waitPassed(
+          w->held(), [m] { return m->stopping.load(); }, m->hang(), [&] {
+            m->violation("hang: cudaDeviceSynchronize(" + std::to_string(device) + ") waits for " +
+                         streamName(w->stream) + " for more than " + std::to_string(m->opts.hangMs) + " ms");
+          });
+    }
     m_->count("mem_synchronize");
+    m_->count("mem_synchronize_cuda" + std::to_string(device));
   }
 
   void* hostRegister(void* p, size_t bytes) override {

@@ -73,7 +73,8 @@ void synchronize(Machine& m);
 //   hangs            hang violations;  groups_failed   groups ended with an op's error
 //   allocations, frees, record_streams   allocator;  events, streams_high_priority,
 //   relaxed_capture_mode   Device calls;  mem_creates, mem_imports, mem_maps, and the live
-//   mem_handles, mem_mapped, host_registered   shared device memory
+//   mem_handles, mem_mapped, host_registered   shared device memory;  mem_synchronize (and
+//   mem_synchronize_cuda<d> for device d)   device synchronisations before memory is given back
 std::map<std::string, int64_t> counters(const Machine& m);
 // A kernel of the test's own on stream `s` of the machine: after `delayMs`, `body` runs on the
 // stream's worker, once the allocator has checked [p, p + nbytes) as a kernel's access named `use`
