@@ -101,6 +101,12 @@ def clear_violations() -> None:
     _module().clear_violations()
 
 
+def hold_memory_releases(on: bool) -> None:
+    """While on, releases of shared device memory and host registrations stay queued (their
+    device synchronisation waits); off lets them run."""
+    _module().hold_memory_releases(bool(on))
+
+
 def counters() -> dict[str, int]:
     """Facts about what the engine asked of the double (communicators made, premul residences...)."""
     return dict(_module().counters())

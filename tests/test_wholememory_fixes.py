@@ -395,3 +395,53 @@ def test_release_synchronises_every_device_given_access(run):
     for synced, mapped in run(2, body_release_syncs_every_device, world_env=_double_world(), timeout=90):
         assert all(v >= 1 for v in synced.values()), synced
         assert mapped == 0, mapped
+
+
+def body_host_view_again(ctx):
+    """A HOST tensor's CUDA view goes, and a new one is made while the old registration's release
+    still waits on the releaser (held there): the new view takes the registration back instead
+    of registering the range a second time (CUDA: already registered). The release that then runs
+    leaves the live view's registration alone; the last view's release unregisters it."""
+    import gc
+
+    import cuda_double
+
+    import c10d_ext.wholememory as wm
+    from c10d_ext import _C
+
+    _double_start(ctx)
+    cuda_double.clear_violations()
+    before = cuda_double.counters().get("host_registered", 0)
+    t = wm.create_wm_tensor(None, [21, 3], [], torch.float32, wm.WmTensorType.HOST)
+    host = wm.get_tensor_view(t, "cpu")
+    bad = []
+    cuda_double.hold_memory_releases(True)
+    try:
+        del t
+        gc.collect()
+        try:
+            again = wm.get_tensor_view(host, "cuda")
+            again.fill_(ctx.rank + 1.0)
+        except RuntimeError as e:
+            bad.append(f"a new view while the old one's release waited: {e}")
+            again = None
+    finally:
+        cuda_double.hold_memory_releases(False)
+    _C._cuda_memory_quiesce()
+    registered = cuda_double.counters().get("host_registered", 0) - before
+    if again is not None and registered != 1:
+        bad.append(f"{registered} registrations while a view lives")
+    if again is not None and not torch.equal(again, host):
+        bad.append("the new view and the host copy differ")
+    del again
+    gc.collect()
+    _C._cuda_memory_quiesce()
+    left = cuda_double.counters().get("host_registered", 0) - before
+    dist.barrier()
+    return bad, left, cuda_double.violations()
+
+
+def test_host_view_made_again_during_its_release(run):
+    for bad, left, violations in run(2, body_host_view_again, world_env=_double_world(), timeout=90):
+        assert not bad and not violations, (bad, violations)
+        assert left == 0, left

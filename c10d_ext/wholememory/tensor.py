@@ -63,15 +63,20 @@ class _Meta:
     whole group for DISTRIBUTED) and this rank's index among them."""
 
     __slots__ = ("kind", "group", "shape", "stride", "dtype", "members", "index", "parts", "host", "hosts",
-                 "region", "host_tensor", "view", "view_device", "__weakref__")
+                 "region", "host_ref", "view", "view_device", "__weakref__")
 
     def __init__(self, kind, group, shape, stride, dtype, members, index, host, hosts):
         self.kind, self.group, self.shape, self.stride, self.dtype = kind, group, shape, stride, dtype
         self.members, self.index, self.host, self.hosts = members, index, host, hosts
         self.parts = split_rows(shape[0], len(members))
         self.region = None  # the mapped CUDA memory (DEVICE, CUDA CHUNKED)
-        self.host_tensor = None  # the host copy behind a HOST tensor's CUDA view
+        self.host_ref = None  # the host copy behind a HOST tensor's CUDA view (a weak reference)
         self.view, self.view_device = None, None  # that view (a weak reference) and its device
+
+    @property
+    def host_tensor(self) -> torch.Tensor | None:
+        """The host copy behind a HOST tensor's CUDA view, while it lives (each view holds it)."""
+        return self.host_ref() if self.host_ref is not None else None
 
     @property
     def rows(self) -> int:
@@ -463,7 +468,8 @@ def get_tensor_view(t, device):
         _track(view, m)
         return view
     if device.type == "cpu":
-        return m.host_tensor if m.host_tensor is not None else t
+        host = m.host_tensor
+        return host if host is not None else t
     index = device.index if device.index is not None else device_mod.current_device()
     view = m.view() if m.view is not None else None
     if view is not None:
@@ -475,8 +481,14 @@ def get_tensor_view(t, device):
 
 
 def _host_view(m: _Meta, host: torch.Tensor, cuda: int) -> torch.Tensor:
-    """The CUDA view of a HOST tensor's host copy, which then names the tensor too."""
+    """The CUDA view of a HOST tensor's host copy. Each names the tensor while it lives: the view
+    holds the host copy, and the host copy, held apart from the view, stays a whole-memory tensor
+    (from which a new view can be made) after the view went."""
     view = device_mod.host_view(host, cuda)
-    m.host_tensor, m.view, m.view_device = host, weakref.ref(view), cuda
-    _track(view, m, host)
+    view._wm_host = host  # (the view's Python object keeps the host copy's: one object for both names)
+    if m.host_tensor is not host:
+        m.host_ref = weakref.ref(host)
+        _track(host, m)
+    m.view, m.view_device = weakref.ref(view), cuda
+    _track(view, m)
     return view

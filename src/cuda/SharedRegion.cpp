@@ -6,6 +6,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <thread>
 
 namespace myccl::cuda {
@@ -95,6 +96,86 @@ void releaseLater(std::shared_ptr<Memory> memory, std::vector<int> devices, std:
 
 void quiesceSharedMemory() {
   Releaser::get().drain();
+}
+
+namespace {
+
+// One registered host range, shared by every view of its storage.
+struct HostRegistration {
+  void* dbase = nullptr;  // the devices' address of it
+  size_t bytes = 0;
+  int views = 0;          // live views
+  uint64_t drops = 0;     // times `views` fell to 0: a queued unregistration acts only for the latest
+  std::set<int> devices;  // devices views were made for: synchronised before it is unregistered
+  at::Tensor keep;        // the host memory stays while registered
+};
+
+std::mutex hostMu;
+std::map<void*, HostRegistration>& hostRegistrations() {
+  static auto* r = new std::map<void*, HostRegistration>();  // never destroyed (releases may run at exit)
+  return *r;
+}
+
+void dropHostView(const std::shared_ptr<Memory>& mem, void* base) {
+  std::vector<int> devices;
+  uint64_t drop = 0;
+  {
+    std::lock_guard<std::mutex> lk(hostMu);
+    auto it = hostRegistrations().find(base);
+    if (it == hostRegistrations().end() || --it->second.views > 0) return;
+    drop = ++it->second.drops;
+    devices.assign(it->second.devices.begin(), it->second.devices.end());
+  }
+  // after the kernels still queued on the views, off this thread
+  releaseLater(mem, std::move(devices), [mem, base, drop] {
+    at::Tensor keep;  // dropped outside the lock
+    std::lock_guard<std::mutex> lk(hostMu);
+    auto it = hostRegistrations().find(base);
+    if (it == hostRegistrations().end() || it->second.views > 0 || it->second.drops != drop) return;  // taken back
+    try {
+      mem->hostUnregister(base);
+    } catch (const std::exception&) {
+    }
+    keep = std::move(it->second.keep);
+    hostRegistrations().erase(it);
+  });
+}
+
+}  // namespace
+
+at::Tensor hostView(std::shared_ptr<Memory> mem, const at::Tensor& host, int device) {
+  TORCH_CHECK(mem, "myccl: host memory view: this build has no CUDA memory");
+  TORCH_CHECK(host.device().is_cpu(), "myccl: host memory view: expected a CPU tensor, got one on ", host.device());
+  const auto& storage = host.storage();
+  void* base = storage.mutable_data();
+  const size_t bytes = storage.nbytes();
+  void* dbase = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(hostMu);
+    auto& regs = hostRegistrations();
+    auto it = regs.find(base);
+    if (it == regs.end()) {
+      HostRegistration r;
+      r.dbase = mem->hostRegister(base, bytes);
+      r.bytes = bytes;
+      r.keep = host;
+      it = regs.emplace(base, std::move(r)).first;
+    } else {
+      TORCH_CHECK(it->second.bytes == bytes, "myccl: host memory view: the host memory at ", base, " is registered as ",
+                  it->second.bytes, " bytes, this storage has ", bytes);
+    }
+    ++it->second.views;
+    it->second.devices.insert(device);
+    dbase = it->second.dbase;
+  }
+  const int64_t offset = host.storage_offset() * static_cast<int64_t>(host.element_size());
+  try {
+    return mem->tensorAt(static_cast<char*>(dbase) + offset, host.sizes(), host.strides(), host.scalar_type(), device,
+                         [mem, base]() { dropHostView(mem, base); });
+  } catch (...) {
+    dropHostView(mem, base);
+    throw;
+  }
 }
 
 SharedRegion::~SharedRegion() {

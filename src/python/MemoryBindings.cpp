@@ -40,31 +40,11 @@ void bindMemory(py::module& m) {
           py::arg("part"), py::arg("offset"), py::arg("sizes"), py::arg("strides"), py::arg("dtype"),
           py::arg("device"));
 
-  // A tensor of `device` over the host memory of `host` (registered with CUDA for as long as the
-  // view lives; the view keeps `host` alive).
+  // A tensor of `device` over the host memory of `host` (registered with CUDA while any view of
+  // it lives; SharedRegion.hpp: hostView).
   m.def(
       "_host_device_view",
-      [](const at::Tensor& host, int device) {
-        auto mem = myccl::processMemory();
-        TORCH_CHECK(mem, "myccl: host memory view: this build has no CUDA memory");
-        TORCH_CHECK(host.device().is_cpu(), "myccl: host memory view: expected a CPU tensor, got one on ",
-                    host.device());
-        const auto& storage = host.storage();
-        void* base = storage.mutable_data();
-        void* dbase = mem->hostRegister(base, storage.nbytes());
-        const int64_t offset = host.storage_offset() * static_cast<int64_t>(host.element_size());
-        return mem->tensorAt(static_cast<char*>(dbase) + offset, host.sizes(), host.strides(), host.scalar_type(),
-                             device, [mem, base, device, keep = host]() mutable {
-                               // after the kernels still queued on the view, off this thread
-                               myccl::cuda::releaseLater(mem, {device}, [mem, base, keep]() mutable {
-                                 try {
-                                   mem->hostUnregister(base);
-                                 } catch (const std::exception&) {
-                                 }
-                                 keep = at::Tensor();
-                               });
-                             });
-      },
+      [](const at::Tensor& host, int device) { return myccl::cuda::hostView(myccl::processMemory(), host, device); },
       py::arg("host"), py::arg("device"));
   // Waits until shared device memory and registrations given up so far are released.
   m.def("_cuda_memory_quiesce", &myccl::cuda::quiesceSharedMemory, py::call_guard<py::gil_scoped_release>());

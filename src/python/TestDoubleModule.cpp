@@ -75,6 +75,7 @@ PYBIND11_MODULE(_test_double, m) {
   m.def("violations", [] { return td::violations(*machine()); });
   m.def("clear_violations", [] { td::clearViolations(*machine()); });
   m.def("counters", [] { return td::counters(*machine()); });
+  m.def("hold_memory_releases", [](bool on) { td::holdMemoryReleases(on); });
   // Streams by id (0: the default stream), for tests that make gradients arrive on several streams.
   m.def("new_stream", [] {
     auto d = td::device(machine());

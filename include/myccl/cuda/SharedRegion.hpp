@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -68,6 +69,12 @@ class SharedRegion : public std::enable_shared_from_this<SharedRegion> {
   std::vector<int> partRange_;     // part -> index into ranges_, -1 for a part with no pages
   std::set<int> granted_;
 };
+
+// A tensor of `device` over the host memory of `host`: the storage is registered with CUDA
+// (portable, mapped) while any view of it lives, and each view keeps `host` alive. Views of one
+// storage share its registration; a view made while the last one's unregistration still waits
+// on the releaser takes the registration back (registering the range twice is an error in CUDA).
+at::Tensor hostView(std::shared_ptr<Memory> memory, const at::Tensor& host, int device);
 
 // Runs `release` on the shared-memory releaser thread, after synchronising every device in
 // `devices` through `memory` (each device that was given access: kernels on any of them may still

@@ -13,6 +13,7 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -74,6 +75,11 @@ void remember(uintptr_t va, size_t bytes) {
   rangeStart[i].store(va);
   rangeEnd[i].store(va + bytes);
 }
+
+// holdMemoryReleases: the gate every synchronize() passes first.
+std::mutex holdMu;
+std::condition_variable holdCv;
+bool held = false;
 
 std::string hex(uintptr_t p) {
   std::ostringstream os;
@@ -232,6 +238,10 @@ class DoubleMemory final : public Memory {
 
   void synchronize(int device) override {
     m_->checkIndex(device, "cudaDeviceSynchronize");
+    {
+      std::unique_lock<std::mutex> lk(holdMu);
+      if (!holdCv.wait_for(lk, m_->hang(), [] { return !held; })) m_->violation("hang: memory releases held past hangMs");
+    }
     Machine* m = m_.get();
     for (auto& w : m->workers()) {  // every stream of this device, as CUDA's; none of another's
       if (w->stream.device_index() != device) continue;
@@ -348,6 +358,14 @@ std::shared_ptr<Memory> Machine::memory() {
     memory_ = m;
   }
   return m;
+}
+
+void holdMemoryReleases(bool on) {
+  {
+    std::lock_guard<std::mutex> lk(holdMu);
+    held = on;
+  }
+  holdCv.notify_all();
 }
 
 std::shared_ptr<Memory> memory(const std::shared_ptr<Machine>& m) {

@@ -84,6 +84,11 @@ std::map<std::string, int64_t> counters(const Machine& m);
 void kernel(Machine& m, const Stream& s, void* p, size_t nbytes, const std::string& use, int delayMs,
             std::function<void()> body);
 
+// While on, every shared-memory synchronisation (the first step of each release of mapped memory
+// or of a host registration) waits (up to hangMs, then reports a hang): tests hold releases
+// queued to reach what happens meanwhile. Off lets them run.
+void holdMemoryReleases(bool on);
+
 // The same on the process's machine.
 std::vector<std::string> violations();
 void clearViolations();
