@@ -445,3 +445,57 @@ def test_host_view_made_again_during_its_release(run):
     for bad, left, violations in run(2, body_host_view_again, world_env=_double_world(), timeout=90):
         assert not bad and not violations, (bad, violations)
         assert left == 0, left
+
+
+def body_keeps_current_device(ctx, mode):
+    """Tensors made, and views taken, on the other device leave this process's current device as
+    it was (on a GPU, torch's; on the double, the simulated thread's)."""
+    import gc
+
+    import c10d_ext.wholememory as wm
+    from c10d_ext import _C
+
+    if mode == "gpu":
+        torch.cuda.set_device(0)
+        ctx.init(timeout=60)
+        mine, other, current = 0, 1, torch.cuda.current_device
+    else:
+        import cuda_double
+
+        mine = _double_start(ctx)
+        other, current = 1 - mine, cuda_double.current_device
+    K = wm.WmTensorType
+    moved = []
+    held = []
+    for what, make in (("DEVICE", lambda: wm.create_wm_tensor(None, [64, 8], [], torch.float32, K.DEVICE,
+                                                              device=f"cuda:{other}")),
+                       ("CHUNKED", lambda: wm.create_wm_tensor(None, [64, 8], [], torch.float32, K.CHUNKED,
+                                                               device=f"cuda:{other}")),
+                       ("HOST view", lambda: wm.create_wm_tensor(None, [64, 8], [], torch.float32, K.HOST,
+                                                                 device=f"cuda:{other}")),
+                       ("DEVICE viewed from the other device",
+                        lambda: wm.get_tensor_view(wm.create_wm_tensor(None, [64, 8], [], torch.float32, K.DEVICE),
+                                                   f"cuda:{other}"))):
+        held.append(make())
+        if current() != mine:
+            moved.append(f"{what}: current device {current()}, was {mine}")
+    del held
+    gc.collect()
+    _C._cuda_memory_quiesce()
+    dist.barrier()
+    return moved
+
+
+def test_creation_keeps_the_current_device(run):
+    for moved in run(2, body_keeps_current_device, "double", world_env=_double_world(), timeout=90):
+        assert not moved, moved
+
+
+@pytest.mark.cuda
+def test_creation_keeps_the_current_device_on_gpus(run):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from test_cuda import SHARED_GPU
+
+    for moved in run(1, body_keeps_current_device, "gpu", world_env=SHARED_GPU, timeout=90):
+        assert not moved, moved

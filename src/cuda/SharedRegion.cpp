@@ -13,11 +13,31 @@ namespace myccl::cuda {
 
 namespace {
 size_t roundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// The calls on a region's memory act on the current device's context: the region's device is
+// current for them, and the caller's device current again afterwards (a tensor made on cuda:1
+// must not move the caller's later work there).
+class DeviceScope {
+ public:
+  DeviceScope(Memory& mem, int device) : restore_(mem.useDevice(device)) {}
+  ~DeviceScope() {
+    try {
+      restore_();
+    } catch (const std::exception&) {
+    }
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  std::function<void()> restore_;
+};
 }  // namespace
 
 SharedRegion::SharedRegion(std::shared_ptr<Memory> memory, int device, size_t bytes)
     : mem_(std::move(memory)), device_(device) {
   TORCH_CHECK(mem_, "myccl: shared device memory: this build has no CUDA memory (no NCCL engine, no test double)");
+  DeviceScope scope(*mem_, device_);
   std::string why;
   TORCH_CHECK(mem_->shareable(device, &why), "myccl: shared device memory: cuda:", device,
               " cannot share memory between processes: ", why);
@@ -90,7 +110,16 @@ void releaseLater(std::shared_ptr<Memory> memory, std::vector<int> devices, std:
       } catch (const std::exception&) {
       }
     }
+    std::function<void()> restore;
+    try {
+      if (!devices.empty()) restore = memory->useDevice(devices.front());  // a context for the calls
+    } catch (const std::exception&) {
+    }
     release();
+    try {
+      if (restore) restore();
+    } catch (const std::exception&) {
+    }
   });
 }
 
@@ -206,19 +235,26 @@ SharedRegion::~SharedRegion() {
     }
   };
   if (!mapped) {  // nothing mapped: no kernel can use it, give the handles back now
-    release();
+    try {
+      DeviceScope scope(*mem_, device_);
+      release();
+    } catch (const std::exception&) {
+    }
   } else {
     releaseLater(mem_, std::vector<int>(granted_.begin(), granted_.end()), std::move(release));
   }
 }
 
 int SharedRegion::exportFd() {
-  return haveOwn_ ? mem_->exportFd(own_) : -1;
+  if (!haveOwn_) return -1;
+  DeviceScope scope(*mem_, device_);
+  return mem_->exportFd(own_);
 }
 
 void SharedRegion::map(const std::vector<int>& fds, const std::vector<size_t>& sizes, int mine, bool contiguous) {
   std::lock_guard<std::mutex> lk(mu_);
   TORCH_CHECK(!mapped_, "myccl: shared device memory: map() was already called");
+  DeviceScope scope(*mem_, device_);
   TORCH_CHECK(fds.size() == sizes.size() && mine >= 0 && mine < static_cast<int>(sizes.size()),
               "myccl: shared device memory: map() needs one descriptor and size per part and this process's index");
   TORCH_CHECK(sizes[mine] == bytes_, "myccl: shared device memory: part ", mine, " is ", sizes[mine],
@@ -286,7 +322,10 @@ at::Tensor SharedRegion::view(int part, int64_t offset, at::IntArrayRef sizes, a
   const int64_t end = offset + (sizes.empty() || c10::multiply_integers(sizes) == 0 ? 0 : extent * c10::elementSize(dtype));
   TORCH_CHECK(offset >= 0 && end <= static_cast<int64_t>(r->bytes), "myccl: shared device memory: a view of ", end - offset,
               " bytes at ", offset, " does not fit the ", r->bytes, " bytes of part ", part);
-  grant(device);
+  {
+    DeviceScope scope(*mem_, device_);
+    grant(device);
+  }
   auto self = shared_from_this();
   return mem_->tensorAt(reinterpret_cast<void*>(r->va + offset), sizes, strides, dtype, device,
                         [self]() mutable { self.reset(); });

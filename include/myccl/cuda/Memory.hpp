@@ -29,6 +29,10 @@ class Memory {
   virtual std::string kind() = 0;
   // The calling thread's device, -1 when it selected none (the double; CUDA answers its current one).
   virtual int currentDevice() = 0;
+  // Makes `device` the calling thread's current one (cudaSetDevice, its primary context made) for
+  // the calls that follow, which act on the current context; returns what puts the thread's
+  // previous device back, which the caller runs when done (its callers' device is theirs).
+  virtual std::function<void()> useDevice(int device) = 0;
   // Whether `device` can make memory that other processes map (virtual memory management with
   // POSIX file descriptor handles); if not, *why says what is missing.
   virtual bool shareable(int device, std::string* why) = 0;

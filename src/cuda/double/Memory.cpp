@@ -98,6 +98,13 @@ class DoubleMemory final : public Memory {
   std::string kind() override { return "double"; }
   int currentDevice() override { return m_->thread().device; }
 
+  std::function<void()> useDevice(int device) override {
+    m_->checkIndex(device, "cudaSetDevice");
+    const int previous = m_->thread().device;
+    m_->thread().device = device;  // as cudaSetDevice: the thread's device until someone sets another
+    return [m = m_, previous] { m->thread().device = previous; };
+  }
+
   bool shareable(int device, std::string*) override {
     m_->checkIndex(device, "cuDeviceGetAttribute");
     return true;

@@ -78,9 +78,9 @@ const Driver& ready() {
   return d;
 }
 
-// The driver calls need a current context: the device's primary one, as torch makes it.
-void useDevice(int device) {
-  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+// The driver calls need a current context: the current device's primary one, as torch makes it
+// (the caller made the right device current: Memory::useDevice).
+void needContext() {
   C10_CUDA_CHECK(cudaFree(nullptr));
 }
 
@@ -98,13 +98,23 @@ class RealMemory final : public Memory {
   std::string kind() override { return "cuda"; }
   int currentDevice() override { return c10::cuda::current_device(); }
 
+  std::function<void()> useDevice(int device) override {
+    const auto previous = c10::cuda::current_device();
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+    needContext();
+    return [previous, device] {
+      // as torch's device guards put a device back: no context made where there was none
+      if (previous != device) C10_CUDA_CHECK_WARN(c10::cuda::MaybeSetDevice(previous));
+    };
+  }
+
   bool shareable(int device, std::string* why) override {
     const Driver& d = driver();
     if (!d.missing.empty()) {
       *why = d.missing;
       return false;
     }
-    useDevice(device);
+    needContext();
     CUdevice dev = 0;
     check(d.deviceGet(&dev, device), "cuDeviceGet");
     int vmm = 0, fd = 0;
@@ -119,7 +129,7 @@ class RealMemory final : public Memory {
 
   size_t granularity(int device) override {
     const Driver& d = ready();
-    useDevice(device);
+    needContext();
     CUmemAllocationProp p = props(device);
     size_t g = 0;
     check(d.granularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "cuMemGetAllocationGranularity");
@@ -128,7 +138,7 @@ class RealMemory final : public Memory {
 
   MemHandle create(int device, size_t bytes) override {
     const Driver& d = ready();
-    useDevice(device);
+    needContext();
     CUmemAllocationProp p = props(device);
     CUmemGenericAllocationHandle h = 0;
     check(d.create(&h, bytes, &p, 0), "cuMemCreate");
