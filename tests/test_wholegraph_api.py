@@ -364,6 +364,9 @@ def body_bad_input(ctx, mt):
              IndexError, [f"{rows + r}"]),
             ("scatter rows of another shape", lambda: view.scatter(torch.zeros(2, 5), torch.tensor([0, 1])),
              ValueError, ["[2, 5]"]),
+            ("scatter by 2-D indices", lambda: view.scatter(torch.zeros(2, view.shape[1]),
+                                                            torch.zeros(2, 1, dtype=torch.int64)), ValueError,
+             ["indice", "[2, 1]"]),
             ("scatter ints into floats", lambda: view.scatter(torch.zeros(1, view.shape[1], dtype=torch.int64),
                                                               torch.tensor([0])), TypeError, ["torch.int64"]),
         ]

@@ -152,14 +152,14 @@ class WholeMemoryTensor:
         dev = self._device(op)
         if not isinstance(indice, torch.Tensor):
             self._fail(op, f"indice must be a tensor, got {type(indice).__name__}", TypeError)
-        if indice.device != dev:
-            indice = indice.to(dev)
-        if self._plain_rows():
-            return indice  # the seed checks it
         if indice.dtype not in (torch.int32, torch.int64):
             self._fail(op, f"indice must be int32 or int64, got {indice.dtype}", TypeError)
         if indice.dim() != 1:
             self._fail(op, f"indice must be 1-D, got shape {list(indice.shape)}")
+        if indice.device != dev:
+            indice = indice.to(dev)
+        if self._plain_rows():
+            return indice  # the seed checks the range
         rows = self.shape[0]
         if indice.numel():
             lo, hi = torch.aminmax(indice)
@@ -233,8 +233,7 @@ class WholeMemoryTensor:
         first = "gather" if partial else "scatter"
         try:
             idx = self._indices(op, indice)
-            n = indice.shape[0] if indice.dim() == 1 else -1
-            vals = self._values(op, input_tensor, n)
+            vals = self._values(op, input_tensor, idx.shape[0])
         except _BAD_INPUT as e:
             self._fail_together(op, e, first)
         t = self.wmb_tensor
