@@ -314,6 +314,6 @@ def file_sizes(op: str, group, filelist, dtype, last_dim_size: int):
 def resolve_group(op: str, comm):
     group = group_of(comm)
     if not isinstance(group, dist.ProcessGroup):
-        fail(op, None, f"comm must be a WholeMemoryCommunicator, got {type(comm).__name__}", TypeError)
+        fail(op, None, f"comm must be a WholeMemoryCommunicator, got {type(comm).__name__} {comm!r}", TypeError)
     return group
 
