@@ -160,7 +160,7 @@ def body_start_up(ctx):
     g.barrier()
     wgth.finalize()
     rep.check(not dist.is_initialized(), "finalize destroys the default group")
-    _expect(rep, "a communicator after finalize", g.get_rank, ValueError, "destroyed")
+    _expect(rep, "a communicator after finalize", g.get_rank, RuntimeError, "destroyed")
     rep.check(torch.equal(t.get_global_tensor(), ref), "a continuous tensor stays readable after finalize")
     _expect(rep, "create_group_communicator after finalize", wgth.create_group_communicator, RuntimeError, "init")
     return rep.result()

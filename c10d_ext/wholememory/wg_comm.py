@@ -170,9 +170,11 @@ class WholeMemoryCommunicator:
         self.wmb_comm = wmb_comm
 
     def _group(self, op: str) -> dist.ProcessGroup:
-        if self.wmb_comm is None:
-            fail(op, None, "this WholeMemoryCommunicator was destroyed", RuntimeError)
-        return comm_mod.check_communicator(op, self.wmb_comm)
+        g = self.wmb_comm
+        if g is None or (isinstance(g, comm_mod.Communicator) and g.destroyed):
+            fail(op, None if g is None else g.rank(),
+                 "this WholeMemoryCommunicator was destroyed (destroy_communicator or finalize)", RuntimeError)
+        return g
 
     def get_rank(self) -> int:
         """This process's rank in the communicator."""

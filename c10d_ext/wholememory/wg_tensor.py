@@ -17,7 +17,6 @@ start of its part, and rows are translated on the way in.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -70,8 +69,9 @@ def _layout_of(t) -> _Layout:
     memory_type = {WmTensorType.HOST: "continuous", WmTensorType.DEVICE: "continuous",
                    WmTensorType.CHUNKED: "chunked"}.get(kind, "distributed")
     location = {WmTensorType.HOST: "cpu", WmTensorType.DEVICE: "cuda"}.get(kind, t.device.type)
-    return _Layout(memory_type, location, WholeMemoryCommunicator(group), shape[0],
-                   shape[1] if len(shape) == 2 else None, stride[0], t.dtype, tensor_mod.split_rows(shape[0], group.size()))
+    cols = shape[1] if len(shape) == 2 else None
+    return _Layout(memory_type, location, WholeMemoryCommunicator(group), shape[0], cols, stride[0], t.dtype,
+                   tensor_mod.split_rows(shape[0], group.size()))
 
 
 def _last_wins(idx: torch.Tensor):
