@@ -66,6 +66,7 @@ def _start(ctx):
     """The default group on a private store, then pylibwholegraph's init and global communicator."""
     import c10d_ext.wholememory as wgth
 
+    wgth.finalize()  # (what an earlier call in this process may have left)
     ctx.init()
     wgth.init(ctx.rank, ctx.size, ctx.rank, ctx.size)
     return wgth, wgth.get_global_communicator()
@@ -393,7 +394,7 @@ def body_bad_input(ctx, mt):
 
 
 @pytest.mark.parametrize("mt", TYPES)
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [1, 2, 3])
 def test_bad_input_on_every_rank(run, size, mt):
     assert_reports(run(size, body_bad_input, mt, timeout=150))
 
@@ -431,6 +432,7 @@ def body_files(ctx, tmp):
         prefix = os.path.join(tmp, f"saved-{save_mt}")
         t.to_file_prefix(prefix)
         mine = wgth.get_part_file_name(prefix, r, n)
+        rep.check(wgth.get_part_file_list(prefix, n) == [f"{prefix}_part_{i}_of_{n}" for i in range(n)], "names")
         rep.check(os.path.getsize(mine) == local.shape[0] * cols * 4, f"{what}: {mine} holds this rank's rows only")
         back = wgth.create_wholememory_tensor(g, load_mt, "cpu", [ROWS, cols], torch.float32, None)
         back.from_file_prefix(prefix)
@@ -516,6 +518,36 @@ def _file_errors(rep, wgth, g, mt, tmp, pieces, t, r, n, what):
 def test_files(run, size):
     with tempfile.TemporaryDirectory() as tmp:
         assert_reports(run(size, body_files, tmp, timeout=150))
+
+
+def body_gloo(ctx):
+    """A default group on gloo: communicators made from it run myccl; a wrapped gloo group holds
+    distributed memory and says no to the kinds that need myccl's shared memory."""
+    import c10d_ext.wholememory as wgth
+
+    wgth.finalize()
+    ctx.init(backend="gloo")
+    r, n = ctx.rank, ctx.size
+    wgth.init(r, n, r, n)
+    rep = Report(ctx)
+    ref = _reference(ROWS, (2,), torch.float32)
+    wrapped = wgth.WholeMemoryCommunicator(dist.group.WORLD)
+    for comm, mt in ((wgth.get_global_communicator(), "chunked"), (wrapped, "distributed")):
+        t = wgth.create_wholememory_tensor(comm, mt, "cpu", [ROWS, 2], torch.float32, None, _uneven(ROWS, n))
+        part, first = t.get_local_tensor()
+        part.copy_(ref[first:first + part.shape[0]])
+        comm.barrier()
+        rep.check(torch.equal(t.gather(torch.arange(ROWS).flip(0)), ref.flip(0)), f"{mt} on {comm}")
+        comm.barrier()
+    rep.check(not wrapped.support_type_location("continuous", "cpu"), "continuous needs myccl")
+    _expect(rep, "continuous on gloo", lambda: wgth.create_wholememory_tensor(
+        wrapped, "continuous", "cpu", [ROWS, 2], torch.float32, None), ValueError, f"(rank {r})", "myccl")
+    wgth.finalize()
+    return rep.result()
+
+
+def test_on_a_gloo_default_group(run):
+    assert_reports(run(2, body_gloo, timeout=120))
 
 
 # -- cuda locations: the strict double, and a GPU ----------------------------------------------------------
