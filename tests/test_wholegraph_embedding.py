@@ -95,12 +95,20 @@ def train_and_check(rep, wgth, emb, kind, params, n, steps=STEPS, what="", rows=
 def body_optimizers(ctx, memory_type, location, mode):
     wgth, comm = start(ctx, mode)
     rep = Report(ctx)
+    if mode == "double":
+        import cuda_double
+
+        before = cuda_double.counters()
     for kind, params in CONFIGS:
         emb = wgth.create_embedding(comm, memory_type, location, torch.float32, [ROWS, DIM])
         fill(emb, init_table())
         _, opt = train_and_check(rep, wgth, emb, kind, params, ctx.size, what=f"{memory_type} {kind} {params}")
         wgth.destroy_wholememory_optimizer(opt)
         wgth.destroy_embedding(emb)
+    if mode == "double":  # the exchanges ran on the CUDA engine, and broke none of CUDA's rules
+        after = cuda_double.counters()
+        rep.check(ctx.size == 1 or after.get("sends", 0) > before.get("sends", 0), f"no NCCL sends: {after}")
+        rep.check(not cuda_double.violations(), f"violations on the double: {cuda_double.violations()}")
     wgth.finalize()
     return rep.result()
 

@@ -386,6 +386,6 @@ class LocalCache:
         """Nothing to write: the rows were only read."""
 
     def drop(self, writeback: bool = True) -> None:
+        self._barrier()  # the cache ranks' lookups so far are done reading these sets
         self.my_tags.fill_(-1)
-        self._barrier()
 

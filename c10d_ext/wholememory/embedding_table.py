@@ -270,12 +270,16 @@ class EmbeddingImpl:
     # ---- caches and files ---------------------------------------------------------------------
 
     def writeback(self) -> None:
+        """Collective. The first barrier: every rank's earlier direct reads of a mapped table are
+        done before rows are written under them."""
         if self.cache is not None:
+            barrier(self.comm, self.group)
             self.cache.writeback()
             barrier(self.comm, self.group)
 
     def drop(self, writeback: bool = True) -> None:
         if self.cache is not None:
+            barrier(self.comm, self.group)
             self.cache.drop(writeback)
             barrier(self.comm, self.group)
 
