@@ -146,55 +146,54 @@ def create_builtin_cache_policy(builtin_cache_type: str, embedding_memory_type: 
 
 # ---- the sets: which rows the lines hold ----------------------------------------------------
 
-def refresh(tags: torch.Tensor, counts: torch.Tensor, coverage: int, rows: int, sets: torch.Tensor):
+def refresh(tags: torch.Tensor, counts: torch.Tensor, slot_of: torch.Tensor, coverage: int, rows: int,
+            sets: torch.Tensor, line_base: int = 0):
     """Recomputes ``sets`` (local set numbers) from the access counts: each keeps its (up to) 32 most
-    used rows that were used at all. ``tags`` [sets, 32] holds each line's row within its set, -1
-    for an empty line; rows staying keep their line. Returns (evicted, loaded): each (set, line,
-    row within the set) for the lines whose row leaves or arrives."""
+    used rows that were used at all, a row already cached winning a tie; rows staying keep their
+    line. ``tags`` [sets, 32] holds each line's row within its set (-1: empty); ``slot_of`` each
+    local row's line (``line_base`` + set * 32 + line, -1: not cached). Both are updated. Returns
+    (evicted, loaded), each (line index, local row), for the lines whose row leaves or arrives."""
     k = sets.numel()
     dev = tags.device
-    empty = (torch.empty(0, dtype=torch.int64, device=dev),) * 3
     if not k:
-        return empty, empty
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        return (empty, empty), (empty, empty)
     old = tags.index_select(0, sets)  # [k, 32]
-    span = torch.arange(coverage, device=dev)
-    rows_of = sets.unsqueeze(1) * coverage + span  # [k, cov] local rows
-    c = counts.index_select(0, rows_of.clamp(max=counts.numel() - 1).view(-1)).view(k, coverage)
-    c = torch.where(rows_of < rows, c, torch.zeros_like(c))
-    cached = torch.zeros((k, coverage), dtype=torch.bool, device=dev)
     valid_old = old >= 0
-    cached[torch.arange(k, device=dev).unsqueeze(1).expand_as(old)[valid_old], old[valid_old]] = True
-    key = torch.where(c > 0, c * 2 + cached.long(), torch.zeros_like(c))
+    old_at = old.clamp(min=0)
+    set_idx = torch.arange(k, device=dev).unsqueeze(1)
+    key = counts.view(-1, coverage).index_select(0, sets).mul_(2)  # [k, cov]: twice the counts, + 1 if cached
+    if int(sets[-1]) * coverage + coverage > rows:  # (sets are sorted) the last set runs past the rows
+        key[-1, rows - int(sets[-1]) * coverage:] = 0
+    key.index_put_((set_idx.expand(k, SET_SIZE)[valid_old], old[valid_old]),
+                   torch.ones((), dtype=key.dtype, device=dev), accumulate=True)
     top = min(SET_SIZE, coverage)
     val, lid = torch.topk(key, top, dim=1)
-    new = torch.where(val > 0, lid, torch.full_like(lid, -1))  # [k, top]
-    in_new = ((old.unsqueeze(2) == new.unsqueeze(1)) & valid_old.unsqueeze(2)).any(2)  # [k, 32]: line stays
-    in_old = ((new.unsqueeze(2) == old.unsqueeze(1)) & (new >= 0).unsqueeze(2)).any(2)  # [k, top]
-    incoming = (new >= 0) & ~in_old
-    free = ~in_new
+    chosen_ok = val > 0  # (a cached row was counted, so every chosen row was used)
+    chosen = torch.zeros((k, coverage), dtype=torch.bool, device=dev)
+    chosen.scatter_(1, lid, chosen_ok)
+    stays = chosen.gather(1, old_at) & valid_old  # [k, 32]: the line keeps its row
+    incoming = chosen_ok & (val % 2 == 0)  # [k, top]: rows to load (an odd key: cached already)
+    free = ~stays
     evict = free & valid_old
-    set_idx = torch.arange(k, device=dev).unsqueeze(1)
+    lines = torch.arange(SET_SIZE, device=dev).expand(k, SET_SIZE)
     # the j-th incoming row of a set takes the set's j-th free line
     free_rank = free.long().cumsum(1) - 1
     line_of_rank = torch.full((k, SET_SIZE), -1, dtype=torch.int64, device=dev)
-    lines = torch.arange(SET_SIZE, device=dev).expand(k, SET_SIZE)
     line_of_rank[set_idx.expand(k, SET_SIZE)[free], free_rank[free]] = lines[free]
-    inc_rank = incoming.long().cumsum(1) - 1
     inc_set = set_idx.expand(k, top)[incoming]
-    inc_line = line_of_rank[inc_set, inc_rank[incoming]]
+    inc_line = line_of_rank[inc_set, (incoming.long().cumsum(1) - 1)[incoming]]
     ev_set = set_idx.expand(k, SET_SIZE)[evict]
-    evicted = (sets[ev_set], lines[evict], old[evict])
-    loaded = (sets[inc_set], inc_line, new[incoming])
-    tags[evicted[0], evicted[1]] = -1
-    tags[loaded[0], loaded[1]] = loaded[2]
-    return evicted, loaded
-
-
-def find(tag_rows: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
-    """The line holding each row (``within`` its set, ``tag_rows`` its set's tags), -1 if none."""
-    match = tag_rows == within.unsqueeze(1)
-    hit = match.any(1)
-    return torch.where(hit, match.int().argmax(1), torch.full_like(within, -1))
+    ev_line = lines[evict]
+    ev_row = sets[ev_set] * coverage + old[evict]
+    in_set = sets[inc_set]
+    in_row = in_set * coverage + lid[incoming]
+    tags[sets[ev_set], ev_line] = -1
+    tags[in_set, inc_line] = lid[incoming]
+    slot_of[ev_row] = -1
+    in_index = line_base + in_set * SET_SIZE + inc_line
+    slot_of[in_row] = in_index
+    return (line_base + sets[ev_set] * SET_SIZE + ev_line, ev_row), (in_index, in_row)
 
 
 class Counters:
@@ -225,7 +224,8 @@ class OwnerCache:
         self.device = device
         sets = -(-self.rows // self.coverage)
         self.tags = torch.full((sets, SET_SIZE), -1, dtype=torch.int64, device=device)
-        self.modified = torch.zeros((sets, SET_SIZE), dtype=torch.bool, device=device)
+        self.slot_of = torch.full((sets * self.coverage,), -1, dtype=torch.int64, device=device)
+        self.modified = torch.zeros(sets * SET_SIZE, dtype=torch.bool, device=device)
         self.counts = torch.zeros(sets * self.coverage, dtype=torch.int64, device=device)
         self.data = {"embedding": torch.zeros((sets * SET_SIZE, dim), dtype=dtype, device=device)}
         self.counters = Counters()
@@ -233,10 +233,9 @@ class OwnerCache:
     def add_state(self, name: str, width: int) -> None:
         """A cachable optimizer state's rows beside the embedding's, loaded for the cached lines."""
         self.data[name] = torch.zeros((self.tags.shape[0] * SET_SIZE, width), dtype=torch.float32, device=self.device)
-        s, line = (self.tags >= 0).nonzero(as_tuple=True)
-        if s.numel():
-            _put(self.data[name], s * SET_SIZE + line, _take(self.raw(name), s * self.coverage + self.tags[s, line],
-                                                             self.device))
+        rows = (self.slot_of >= 0).nonzero().view(-1)
+        if rows.numel():
+            _put(self.data[name], self.slot_of[rows], _take(self.raw(name), rows, self.device))
 
     def adjust(self, local: torch.Tensor) -> None:
         """Counts an access of each local row and refills the sets they fall in."""
@@ -245,49 +244,49 @@ class OwnerCache:
         local = local.to(self.device)
         self.counts.index_add_(0, local, torch.ones_like(local))
         sets = torch.unique(torch.div(local, self.coverage, rounding_mode="floor"))
-        (es, el, er), (ls, ll, lr) = refresh(self.tags, self.counts, self.coverage, self.rows, sets)
-        dirty = self.modified[es, el]
+        (e_line, e_row), (l_line, l_row) = refresh(self.tags, self.counts, self.slot_of, self.coverage, self.rows, sets)
+        dirty = self.modified[e_line]
         if dirty.any():
-            self._write_lines(es[dirty], el[dirty], er[dirty])
-        self.modified[es, el] = False
+            self._write_lines(e_line[dirty], e_row[dirty])
+        self.modified[e_line] = False
         for name, d in self.data.items():
-            _put(d, ls * SET_SIZE + ll, _take(self.raw(name), ls * self.coverage + lr, self.device))
-        self.counters.loaded += ls.numel()
+            _put(d, l_line, _take(self.raw(name), l_row, self.device))
+        self.counters.loaded += l_line.numel()
 
-    def _write_lines(self, s, line, within) -> None:
+    def _write_lines(self, line: torch.Tensor, row: torch.Tensor) -> None:
         for name, d in self.data.items():
-            _put(self.raw(name), s * self.coverage + within, d.index_select(0, s * SET_SIZE + line))
-        self.counters.written_back += s.numel()
+            _put(self.raw(name), row, d.index_select(0, line))
+        self.counters.written_back += line.numel()
 
-    def lines(self, local: torch.Tensor):
-        """(set, line) of each local row; line -1 where it is not cached."""
-        local = local.to(self.device)
-        s = torch.div(local, self.coverage, rounding_mode="floor")
-        if not self.tags.shape[0]:
-            return s, torch.full_like(local, -1)
-        return s, find(self.tags.index_select(0, s), local - s * self.coverage)
+    def lines(self, local: torch.Tensor) -> torch.Tensor:
+        """The line of each local row, -1 where it is not cached."""
+        return self.slot_of.index_select(0, local.to(self.device))
 
     def read(self, name: str, local: torch.Tensor, count: bool = False) -> torch.Tensor:
-        s, line = self.lines(local)
+        line = self.lines(local)
         hit = line >= 0
-        out = _take(self.raw(name), local, self.device)
-        if hit.any():
-            out[hit] = self.data[name].index_select(0, s[hit] * SET_SIZE + line[hit]).to(out.dtype)
+        h = int(hit.sum())
+        if h == line.numel():
+            out = self.data[name].index_select(0, line)
+        else:
+            out = _take(self.raw(name), local, self.device)
+            if h:
+                at = hit.nonzero().view(-1)
+                out.index_copy_(0, at, self.data[name].index_select(0, line[at]).to(out.dtype))
         if count:
-            h = int(hit.sum())
             self.counters.hits += h
             self.counters.misses += local.numel() - h
         return out
 
     def write(self, name: str, local: torch.Tensor, values: torch.Tensor) -> None:
         """New values of distinct local rows: into their lines (then modified) or into the table."""
-        s, line = self.lines(local)
+        line = self.lines(local)
         hit = line >= 0
         values = values.to(self.device)
         if hit.any():
-            _put(self.data[name], s[hit] * SET_SIZE + line[hit], values[hit])
-            self.modified[s[hit], line[hit]] = True
-        if (~hit).any():
+            _put(self.data[name], line[hit], values[hit])
+            self.modified[line[hit]] = True
+        if not hit.all():
             _put(self.raw(name), local.to(self.device)[~hit], values[~hit])
 
     def gather(self, op: str, ids, error, adjust: bool) -> torch.Tensor:
@@ -299,9 +298,10 @@ class OwnerCache:
         return rows_back(self.owners, plan, self.read("embedding", local, count=True))
 
     def writeback(self) -> None:
-        s, line = self.modified.nonzero(as_tuple=True)
-        if s.numel():
-            self._write_lines(s, line, self.tags[s, line])
+        line = self.modified.nonzero().view(-1)
+        if line.numel():
+            s = torch.div(line, SET_SIZE, rounding_mode="floor")
+            self._write_lines(line, s * self.coverage + self.tags.view(-1)[line])
         self.modified.zero_()
 
     def drop(self, writeback: bool = True) -> None:
@@ -309,6 +309,7 @@ class OwnerCache:
             self.writeback()
         self.modified.zero_()
         self.tags.fill_(-1)
+        self.slot_of.fill_(-1)
 
 
 class LocalCache:
@@ -328,12 +329,15 @@ class LocalCache:
         if place is None:
             compute_device(op, group, "cuda")
         self.tags = create_wm_tensor(group, [sets, SET_SIZE], [], torch.int64, kind, device=place)
+        self.slot_of = create_wm_tensor(group, [sets * cov], [], torch.int64, kind, device=place)
         self.counts = create_wm_tensor(group, [sets * cov], [], torch.int64, kind, device=place)
         self.data = create_wm_tensor(group, [sets * SET_SIZE, dim], [], dtype, kind, device=place)
         self.my_tags, first_set = local_partition(self.tags)
+        self.my_slots, _ = local_partition(self.slot_of)
         self.my_counts, _ = local_partition(self.counts)
         self.my_data, _ = local_partition(self.data)
         self.my_tags.fill_(-1)
+        self.my_slots.fill_(-1)
         self.my_counts.zero_()
         self.first_set = first_set
         self.device = self.my_tags.device
@@ -341,6 +345,11 @@ class LocalCache:
         self.rows = self.my_tags.shape[0] * cov
         self.counters = Counters()
         self._barrier()
+
+    @property
+    def shared(self) -> bool:
+        """Whether ranks other than this one use the cache (their lookups are collective over it)."""
+        return self.owners is not None
 
     def _barrier(self) -> None:
         if self.group.size() > 1:
@@ -352,32 +361,37 @@ class LocalCache:
         if self.owners is not None:
             ids, _, _ = to_owners("gather", self.owners, ids.to(self.device), None, None, self.device)
         local = ids.to(self.device) - self.first_set * self.coverage
-        loaded = (torch.empty(0, dtype=torch.int64, device=self.device),) * 3
+        line = row = torch.empty(0, dtype=torch.int64, device=self.device)
         if local.numel():
             self.my_counts.index_add_(0, local, torch.ones_like(local))
             sets = torch.unique(torch.div(local, self.coverage, rounding_mode="floor"))
-            _, loaded = refresh(self.my_tags, self.my_counts, self.coverage, self.rows, sets)
-        ls, ll, lr = loaded
-        rows = self.raw_gather((self.first_set + ls) * self.coverage + lr)  # every rank calls
-        if ls.numel():
-            _put(self.my_data, ls * SET_SIZE + ll, rows)
-        self.counters.loaded += ls.numel()
-        self._barrier()  # the sets are ready before anyone reads them
+            _, (line, row) = refresh(self.my_tags, self.my_counts, self.my_slots, self.coverage, self.rows, sets,
+                                     self.first_set * SET_SIZE)
+        rows = self.raw_gather(row + self.first_set * self.coverage)  # every rank calls
+        if line.numel():
+            _put(self.my_data, line - self.first_set * SET_SIZE, rows)
+        self.counters.loaded += line.numel()
+        if self.owners is not None:
+            self._barrier()  # the sets are ready before anyone reads them
 
     def gather(self, ids: torch.Tensor, adjust: bool, out_device) -> torch.Tensor:
         if adjust:
             self.adjust(ids)
-        cid = ids.to(self.device)
-        s = torch.div(cid, self.coverage, rounding_mode="floor")
-        line = find(seed_gather(self.tags, s), cid - s * self.coverage) if cid.numel() else cid
+        line = seed_gather(self.slot_of, ids.to(self.device))
         hit = line >= 0
         h = int(hit.sum())
-        miss_rows = self.raw_gather(ids[~hit.to(ids.device)])  # every rank calls
-        out = torch.empty((ids.numel(),) + tuple(miss_rows.shape[1:]), dtype=miss_rows.dtype, device=out_device)
-        if h:
-            out[hit.to(out_device)] = seed_gather(self.data, s[hit] * SET_SIZE + line[hit]).to(out_device)
-        if h < ids.numel():
-            out[~hit.to(out_device)] = miss_rows.to(out_device)
+        if h == ids.numel():
+            self.raw_gather(ids[:0])  # (every rank calls: others may miss)
+            out = seed_gather(self.data, line).to(out_device)
+        else:
+            miss = (~hit).nonzero().view(-1)
+            out = self.raw_gather(ids.index_select(0, miss.to(ids.device))).to(out_device)
+            if h:
+                at = hit.nonzero().view(-1)
+                full = torch.empty((ids.numel(),) + tuple(out.shape[1:]), dtype=out.dtype, device=out_device)
+                full.index_copy_(0, miss.to(out_device), out)
+                full.index_copy_(0, at.to(out_device), seed_gather(self.data, line[at]).to(out_device))
+                out = full
         self.counters.hits += h
         self.counters.misses += ids.numel() - h
         return out
@@ -388,4 +402,4 @@ class LocalCache:
     def drop(self, writeback: bool = True) -> None:
         self._barrier()  # the cache ranks' lookups so far are done reading these sets
         self.my_tags.fill_(-1)
-
+        self.my_slots.fill_(-1)

@@ -74,31 +74,32 @@ def rule(op: str, group, optimizer_type) -> Rule:
 
 def update(kind: str, p: dict, w: torch.Tensor, g: torch.Tensor, states: dict, lr: float):
     """The new rows and states of distinct rows ``w`` (float32, [k, dim]) given the sums of their
-    gradients ``g``. Returns (w, {state name: rows}); the inputs are not modified."""
+    gradients ``g``. ``w``, ``g`` and the states are the caller's copies: updated in place and
+    returned as (w, {state name: rows})."""
     lr = float(lr)
     wd = p["weight_decay"]
+    if kind == "adam" and p["adam_w"] > 0.5:
+        if wd:
+            w.mul_(1 - lr * wd)  # w -= lr * wd * w
+    elif wd:
+        g.add_(w, alpha=wd)  # g += wd * w
     if kind == "sgd":
-        g = g + wd * w
-        return w - lr * g, {}
+        return w.sub_(g, alpha=lr), {}
     if kind == "adam":
         beta1, beta2, eps = p["beta1"], p["beta2"], p["epsilon"]
-        bt = states["beta12t"] * torch.tensor([beta1, beta2], dtype=torch.float32, device=w.device)
-        if p["adam_w"] > 0.5:
-            w = w - (lr * wd) * w
-        else:
-            g = g + wd * w
-        m = beta1 * states["m"] + (1 - beta1) * g
-        v = beta2 * states["v"] + (1 - beta2) * g * g
-        mhat = m / (1 - bt[:, :1])
-        vhat = v / (1 - bt[:, 1:])
-        return w - lr * mhat / (torch.sqrt(vhat) + eps), {"m": m, "v": v, "beta12t": bt}
+        bt = states["beta12t"].mul_(torch.tensor([beta1, beta2], dtype=torch.float32, device=w.device))
+        m = states["m"].mul_(beta1).add_(g, alpha=1 - beta1)
+        v = states["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v / (1 - bt[:, 1:])).sqrt_().add_(eps)  # sqrt(vhat) + eps
+        w.addcdiv_(m / (1 - bt[:, :1]), denom, value=-lr)  # w -= lr * mhat / (sqrt(vhat) + eps)
+        return w, {"m": m, "v": v, "beta12t": bt}
     if kind == "adagrad":
-        g = g + wd * w
-        s = states["state_sum"] + g * g
-        return w - lr * g / (torch.sqrt(s) + p["epsilon"]), {"state_sum": s}
+        s = states["state_sum"].addcmul_(g, g)
+        w.addcdiv_(g, s.sqrt().add_(p["epsilon"]), value=-lr)
+        return w, {"state_sum": s}
     if kind == "rmsprop":
-        g = g + wd * w
         alpha = p["alpha"]
-        v = alpha * states["v"] + (1 - alpha) * g * g
-        return w - lr * g / (torch.sqrt(v) + p["epsilon"]), {"v": v}
+        v = states["v"].mul_(alpha).addcmul_(g, g, value=1 - alpha)
+        w.addcdiv_(g, v.sqrt().add_(p["epsilon"]), value=-lr)
+        return w, {"v": v}
     raise AssertionError(kind)

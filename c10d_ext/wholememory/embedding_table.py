@@ -181,6 +181,16 @@ class EmbeddingImpl:
             except (TypeError, ValueError, IndexError) as e:
                 error = e
             return self.cache.gather(op, ids, error, adjust)
+        if isinstance(self.cache, LocalCache) and not self.cache.shared and not self.rr:
+            # this rank's own cache: the table's lookup of misses is the only collective step, and
+            # bad ids fail there on every rank (no agreement of its own first)
+            try:
+                ids = check_ids(op, self.group, indice, bound, self.device, False)
+            except (TypeError, ValueError, IndexError):
+                if self.collective:
+                    self.table.gather(indice)  # raises here and, naming this rank, on the others
+                raise
+            return self.cache.gather(ids, adjust, self.device)
         ids = self.storage_to_rows(check_ids(op, self.group, indice, bound, self.device, self.collective))
         if isinstance(self.cache, LocalCache):
             return self.cache.gather(ids, adjust, self.device)

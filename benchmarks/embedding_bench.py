@@ -1,0 +1,273 @@
+"""A training step of an embedding table, three ways, and cached lookups, in one run:
+
+- WholeMemoryEmbedding (pylibwholegraph.torch's names): each rank holds 1/n of the table; a step
+  looks rows up, hands their gradients back, and the optimizer sends every (row, gradient) to the
+  row's owner, which sums them and steps each touched row once (sgd, and lazy adam as a second row);
+- the same table replicated on every rank, its dense gradient all-reduced (myccl, and gloo: the
+  baseline), then a dense sgd step;
+- torch.nn.Embedding(sparse=True) on every rank, its sparse gradient all-reduced (myccl, gloo).
+
+The sgd variants apply the same update from the same rows and gradients, so they end with the same
+table (checked). Reported per method: the median step time on rank 0 (every rank its own batch of
+--batch ids, uniform over the table with repeats; a barrier before each step, not timed) and the
+bytes per rank of table, gradient and optimizer state (from the tensors).
+
+Cached lookups: every rank looks up --lookup ids drawn from a hot set (--hot of the rows); a
+WholeMemoryEmbedding of distributed memory with a read-only cache on this rank (warmed once, then
+every lookup a hit) against the same table without a cache (the direct read of the parts on one
+host, and the exchange, the path across hosts) and index_select on a private copy (the limit).
+
+    python benchmarks/embedding_bench.py                        # 2 ranks, 1M rows x 128
+    python benchmarks/embedding_bench.py --rows 200000 --world-size 2
+
+Prints a table and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from _ranks import run_ranks  # noqa: E402
+
+MB = 1 << 20
+
+
+def _batches(args, rank):
+    """Each step's ids and output gradients for this rank (the same for every method)."""
+    out = []
+    for step in range(args.warmup + args.steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        out.append((torch.randint(0, args.rows, (args.batch,), generator=g),
+                    torch.randn(args.batch, args.dim, generator=g)))
+    return out
+
+
+def _timed(batches, warmup, step, group) -> list[float]:
+    times = []
+    for i, (ids, w) in enumerate(batches):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        step(ids, w)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    dist.barrier(group=group)
+    return times
+
+
+def wholememory_step(wgth, comm, args, init, batches, gloo, kind):
+    emb = wgth.create_embedding(comm, args.memory_type, "cpu", torch.float32, [args.rows, args.dim])
+    local, first = emb.get_embedding_tensor().get_local_tensor()
+    local.copy_(init[first:first + local.shape[0]])
+    comm.barrier()
+    opt = wgth.create_wholememory_optimizer(emb, kind, {})
+    module = wgth.WholeMemoryEmbeddingModule(emb)
+
+    def step(ids, w):
+        module(ids).backward(w)
+        opt.step(args.lr)
+
+    times = _timed(batches, args.warmup, step, gloo)
+    state = sum(emb.get_optimizer_state(s).get_local_tensor()[0].numel() * 4 for s in emb.get_optimizer_state_names())
+    nbytes = local.numel() * 4 + state
+    sample = emb.gather(torch.arange(min(args.rows, 4096)))
+    wgth.destroy_embedding(emb)
+    return times, nbytes, sample
+
+
+def replicated_step(args, init, batches, group, gloo):
+    table = init.clone().requires_grad_()
+
+    def step(ids, w):
+        F.embedding(ids, table).backward(w)
+        dist.all_reduce(table.grad, group=group)
+        with torch.no_grad():
+            table.sub_(table.grad, alpha=args.lr)
+        table.grad = None
+
+    times = _timed(batches, args.warmup, step, gloo)
+    return times, 2 * table.numel() * 4, table.detach()[:min(args.rows, 4096)].clone()
+
+
+def sparse_step(args, init, batches, group, gloo):
+    emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(init)
+    grad_bytes = []
+
+    def step(ids, w):
+        emb(ids).backward(w)
+        g = emb.weight.grad
+        dist.all_reduce(g, group=group)
+        grad_bytes.append(g._values().numel() * 4 + g._indices().numel() * 8)
+        with torch.no_grad():
+            emb.weight.add_(g, alpha=-args.lr)
+        emb.weight.grad = None
+
+    times = _timed(batches, args.warmup, step, gloo)
+    return times, emb.weight.numel() * 4 + max(grad_bytes), emb.weight.detach()[:min(args.rows, 4096)].clone()
+
+
+def cached_lookups(wgth, comm, args, init, rank, gloo):
+    """Lookups of hot rows: (name -> (median seconds per lookup, hit fraction or None))."""
+    g = torch.Generator().manual_seed(7)
+    hot = torch.randperm(args.rows, generator=g)[:max(1, int(args.rows * args.hot))]
+    ids = hot[torch.randint(0, hot.numel(), (args.lookup,), generator=torch.Generator().manual_seed(8 + rank))]
+    want = init.index_select(0, ids)
+    out = {}
+
+    def run(name, fn, emb=None):
+        if not torch.equal(fn(), want):
+            raise AssertionError(f"{name}: wrong rows (rank {rank})")
+        before = emb.cache_counters() if emb is not None else None
+        ts = []
+        for _ in range(args.rounds):
+            dist.barrier(group=gloo)
+            t0 = time.perf_counter()
+            for _ in range(args.reps):
+                fn()
+            ts.append((time.perf_counter() - t0) / args.reps)
+        hits = None
+        if before is not None:
+            after = emb.cache_counters()
+            asked = (after["hits"] + after["misses"]) - (before["hits"] + before["misses"])
+            hits = (after["hits"] - before["hits"]) / asked
+        out[name] = (statistics.median(ts), hits)
+
+    run("index_select (private copy)", lambda: init.index_select(0, ids))
+    for env, label in (("1", "direct"), ("0", "exchange")):
+        os.environ["MYCCL_WM_DIRECT"] = env  # (read when a tensor is made, alike on every rank)
+        emb = wgth.create_embedding(comm, "distributed", "cpu", torch.float32, [args.rows, args.dim])
+        os.environ.pop("MYCCL_WM_DIRECT")
+        local, first = emb.get_embedding_tensor().get_local_tensor()
+        local.copy_(init[first:first + local.shape[0]])
+        comm.barrier()
+        run(f"no cache, distributed ({label})", lambda: emb.gather(ids))
+        if label == "exchange":
+            policy = wgth.create_wholememory_cache_policy(wgth.get_local_device_communicator(),
+                                                          memory_type="continuous", memory_location="cpu",
+                                                          access_type="readonly", ratio=args.cache_ratio)
+            cached = wgth.create_embedding(comm, "distributed", "cpu", torch.float32, [args.rows, args.dim],
+                                           cache_policy=policy)
+            local, first = cached.get_embedding_tensor().get_local_tensor()
+            local.copy_(init[first:first + local.shape[0]])
+            comm.barrier()
+            cached.gather(ids)  # warms the cache (counts the accesses, loads the rows)
+            cached.set_adjust_cache(False)
+            run("read-only cache on this rank (warm)", lambda: cached.gather(ids), cached)
+            cached.set_adjust_cache(True)
+            run("read-only cache, counting accesses", lambda: cached.gather(ids), cached)
+            wgth.destroy_embedding(cached)
+        wgth.destroy_embedding(emb)
+        gc.collect()
+    return out
+
+
+def worker(args) -> dict:
+    import c10d_ext  # noqa: F401
+    import c10d_ext.wholememory as wgth
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    wgth.init_torch_env(rank, size, rank, size)  # myccl's default group, one thread per rank
+    gloo = dist.new_group(backend="gloo")
+    comm = wgth.get_global_communicator()
+    init = torch.randn(args.rows, args.dim, generator=torch.Generator().manual_seed(1)) * 0.1
+    batches = _batches(args, rank)
+    results, samples = [], {}
+
+    def record(name, times, nbytes, sample=None):
+        results.append({"method": name, "step_s": statistics.median(times), "bytes_per_rank": nbytes})
+        if sample is not None:
+            samples[name] = sample
+        if rank == 0:
+            print(f"  {name}: {statistics.median(times) * 1e3:.1f} ms", flush=True)
+        gc.collect()
+
+    record("WholeMemoryEmbedding, sgd", *wholememory_step(wgth, comm, args, init, batches, gloo, "sgd"))
+    t, b, _ = wholememory_step(wgth, comm, args, init, batches, gloo, "adam")
+    record("WholeMemoryEmbedding, lazy adam", t, b)
+    for label, group in (("myccl", None), ("gloo", gloo)):
+        record(f"replicated, dense all_reduce ({label})", *replicated_step(args, init, batches, group, gloo))
+    for label, group in (("myccl", None), ("gloo", gloo)):
+        record(f"nn.Embedding(sparse), sparse all_reduce ({label})", *sparse_step(args, init, batches, group, gloo))
+    ref = samples["WholeMemoryEmbedding, sgd"]
+    for name, s in samples.items():
+        if not torch.allclose(s, ref, rtol=1e-4, atol=1e-6):
+            raise AssertionError(f"{name} ends with another table than WholeMemoryEmbedding (rank {rank})")
+    lookups = cached_lookups(wgth, comm, args, init, rank, gloo)
+    wgth.finalize()
+    return {"rank": rank, "size": size, "config": {k: v for k, v in vars(args).items() if k != "out"},
+            "steps": results,
+            "lookups": [{"config": k, "time_s": t, "hit_fraction": h,
+                         "gbps": args.lookup * args.dim * 4 / t / 1e9} for k, (t, h) in lookups.items()]}
+
+
+def report(res: dict, out: str) -> None:
+    c = res["config"]
+    print(f"\ntraining step of a {c['rows']} x {c['dim']} float32 table, {res['size']} ranks, {c['batch']} ids per rank "
+          f"per step (median of {c['steps']} steps, rank 0)")
+    base = {r["method"]: r for r in res["steps"]}
+    gloo_dense = base["replicated, dense all_reduce (gloo)"]["step_s"]
+    gloo_sparse = base["nn.Embedding(sparse), sparse all_reduce (gloo)"]["step_s"]
+    print(f"{'method':<48} {'step ms':>9} {'MB/rank':>9} {'vs dense gloo':>14} {'vs sparse gloo':>15}")
+    for r in res["steps"]:
+        r["vs_dense_gloo"] = gloo_dense / r["step_s"]
+        r["vs_sparse_gloo"] = gloo_sparse / r["step_s"]
+        print(f"{r['method']:<48} {r['step_s'] * 1e3:9.1f} {r['bytes_per_rank'] / MB:9.1f} "
+              f"{r['vs_dense_gloo']:13.2f}x {r['vs_sparse_gloo']:14.2f}x")
+    print(f"\nlookups of {c['lookup']} ids from a hot set of {c['hot']:.0%} of the rows (median per lookup, rank 0)")
+    limit = next(r for r in res["lookups"] if r["config"].startswith("index_select"))["time_s"]
+    print(f"{'lookup':<42} {'ms':>8} {'GB/s':>8} {'hits':>6} {'vs index_select':>16}")
+    for r in res["lookups"]:
+        r["vs_index_select"] = limit / r["time_s"]
+        hits = "" if r["hit_fraction"] is None else f"{r['hit_fraction']:.0%}"
+        print(f"{r['config']:<42} {r['time_s'] * 1e3:8.2f} {r['gbps']:8.2f} {hits:>6} {r['vs_index_select']:15.2f}x")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\nwrote {out}")
+
+
+def _spawned(rank: int, size: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
+    res = worker(args)
+    if rank == 0:
+        queue.put(res)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16384, help="ids per rank per step")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--memory-type", default="distributed", choices=["continuous", "chunked", "distributed"])
+    ap.add_argument("--lookup", type=int, default=16384, help="ids per rank per cached lookup")
+    ap.add_argument("--hot", type=float, default=0.05, help="the hot set, a fraction of the rows")
+    ap.add_argument("--cache-ratio", type=float, default=0.125)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = args.out or os.path.join(ROOT, "bench_out", f"embedding_bench_{args.world_size}ranks.json")
+    report(run_ranks(_spawned, args.world_size, args, timeout=3600), out)
+
+
+if __name__ == "__main__":
+    main()
