@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import _C
 from . import device as device_mod
 from .embedding_exchange import Owners, rows_back, to_owners
 from .tensor import WmTensorType, create_wm_tensor, fail, local_partition
@@ -204,12 +205,30 @@ class Counters:
         return {"hits": self.hits, "misses": self.misses, "loaded": self.loaded, "written_back": self.written_back}
 
 
-def _take(t: torch.Tensor, rows: torch.Tensor, device) -> torch.Tensor:
-    return t.index_select(0, rows.to(t.device)).to(device)
+def _kernel_ok(t: torch.Tensor, other: torch.Tensor | None = None) -> bool:
+    """Whether rows of ``t`` move through the C++ row kernels (host memory, packed rows)."""
+    return (t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous() and t.shape[0] > 0
+            and (other is None or (other.device.type == "cpu" and other.dtype == t.dtype)))
 
 
-def _put(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    t.index_copy_(0, rows.to(t.device), values.to(t.device, t.dtype))
+def take_rows(t: torch.Tensor, rows: torch.Tensor, device=None) -> torch.Tensor:
+    """t[rows] (a new tensor, on ``device`` if given)."""
+    if _kernel_ok(t) and rows.numel():
+        out = torch.empty((rows.numel(), t.shape[1]), dtype=t.dtype)
+        _C._wm_gather_rows([t.view(-1)], t.shape[0], t.shape[0], t.shape[1], rows.to("cpu", torch.int64).contiguous(),
+                           out)
+    else:
+        out = t.index_select(0, rows.to(t.device))
+    return out if device is None else out.to(device)
+
+
+def put_rows(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """t[rows] = values, for distinct rows."""
+    if _kernel_ok(t, values) and rows.numel():
+        _C._wm_scatter_rows([t.view(-1)], t.shape[0], t.shape[0], t.shape[1], rows.to("cpu", torch.int64).contiguous(),
+                            values.contiguous())
+    else:
+        t.index_copy_(0, rows.to(t.device), values.to(t.device, t.dtype))
 
 
 class OwnerCache:
@@ -235,7 +254,7 @@ class OwnerCache:
         self.data[name] = torch.zeros((self.tags.shape[0] * SET_SIZE, width), dtype=torch.float32, device=self.device)
         rows = (self.slot_of >= 0).nonzero().view(-1)
         if rows.numel():
-            _put(self.data[name], self.slot_of[rows], _take(self.raw(name), rows, self.device))
+            put_rows(self.data[name], self.slot_of[rows], take_rows(self.raw(name), rows, self.device))
 
     def adjust(self, local: torch.Tensor) -> None:
         """Counts an access of each local row and refills the sets they fall in."""
@@ -250,12 +269,12 @@ class OwnerCache:
             self._write_lines(e_line[dirty], e_row[dirty])
         self.modified[e_line] = False
         for name, d in self.data.items():
-            _put(d, l_line, _take(self.raw(name), l_row, self.device))
+            put_rows(d, l_line, take_rows(self.raw(name), l_row, self.device))
         self.counters.loaded += l_line.numel()
 
     def _write_lines(self, line: torch.Tensor, row: torch.Tensor) -> None:
         for name, d in self.data.items():
-            _put(self.raw(name), row, d.index_select(0, line))
+            put_rows(self.raw(name), row, take_rows(d, line))
         self.counters.written_back += line.numel()
 
     def lines(self, local: torch.Tensor) -> torch.Tensor:
@@ -267,12 +286,12 @@ class OwnerCache:
         hit = line >= 0
         h = int(hit.sum())
         if h == line.numel():
-            out = self.data[name].index_select(0, line)
+            out = take_rows(self.data[name], line)
         else:
-            out = _take(self.raw(name), local, self.device)
+            out = take_rows(self.raw(name), local, self.device)
             if h:
                 at = hit.nonzero().view(-1)
-                out.index_copy_(0, at, self.data[name].index_select(0, line[at]).to(out.dtype))
+                out.index_copy_(0, at, take_rows(self.data[name], line[at]).to(out.dtype))
         if count:
             self.counters.hits += h
             self.counters.misses += local.numel() - h
@@ -284,10 +303,10 @@ class OwnerCache:
         hit = line >= 0
         values = values.to(self.device)
         if hit.any():
-            _put(self.data[name], line[hit], values[hit])
+            put_rows(self.data[name], line[hit], values[hit])
             self.modified[line[hit]] = True
         if not hit.all():
-            _put(self.raw(name), local.to(self.device)[~hit], values[~hit])
+            put_rows(self.raw(name), local.to(self.device)[~hit], values[~hit])
 
     def gather(self, op: str, ids, error, adjust: bool) -> torch.Tensor:
         """Collective lookup: the ids go to their owners, which answer from their caches."""
@@ -369,7 +388,7 @@ class LocalCache:
                                      self.first_set * SET_SIZE)
         rows = self.raw_gather(row + self.first_set * self.coverage)  # every rank calls
         if line.numel():
-            _put(self.my_data, line - self.first_set * SET_SIZE, rows)
+            put_rows(self.my_data, line - self.first_set * SET_SIZE, rows)
         self.counters.loaded += line.numel()
         if self.owners is not None:
             self._barrier()  # the sets are ready before anyone reads them

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import embedding_optimizer as rules
-from .embedding_cache import LocalCache, OwnerCache, check_memory, compute_device, group_of
+from .embedding_cache import LocalCache, OwnerCache, check_memory, compute_device, group_of, put_rows, take_rows
 from .embedding_exchange import Owners, check_ids, to_owners
 from .wg_tensor import create_wholememory_tensor
 from .tensor import agree_on_error, fail
@@ -261,14 +261,13 @@ class EmbeddingImpl:
         def read(name):
             if cache is not None and (name == "embedding" or name in cachable):
                 return cache.read(name, rows)
-            return self.local(name).index_select(0, rows.to(self.device))
+            return take_rows(self.local(name), rows)
 
         def write(name, values):
             if cache is not None and (name == "embedding" or name in cachable):
                 cache.write(name, rows, values)
             else:
-                part = self.local(name)
-                part.index_copy_(0, rows.to(part.device), values.to(part.device))
+                put_rows(self.local(name), rows, values)
 
         w = read("embedding")
         states = {name: read(name) for name in self.rule.state_names}
