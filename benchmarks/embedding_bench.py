@@ -217,8 +217,8 @@ def worker(args) -> dict:
 
 def report(res: dict, out: str) -> None:
     c = res["config"]
-    print(f"\ntraining step of a {c['rows']} x {c['dim']} float32 table, {res['size']} ranks, {c['batch']} ids per rank "
-          f"per step (median of {c['steps']} steps, rank 0)")
+    print(f"\ntraining step of a {c['rows']} x {c['dim']} float32 table, {res['size']} ranks, "
+          f"{c['batch']} ids per rank per step (median of {c['steps']} steps, rank 0)")
     base = {r["method"]: r for r in res["steps"]}
     gloo_dense = base["replicated, dense all_reduce (gloo)"]["step_s"]
     gloo_sparse = base["nn.Embedding(sparse), sparse all_reduce (gloo)"]["step_s"]

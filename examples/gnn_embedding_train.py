@@ -118,9 +118,7 @@ def main() -> None:
         dist.all_reduce(total)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {total.item():.4f}", flush=True)
-    table = node_emb.gather(torch.arange(args.nodes))  # (collective)
-    if args.memory_type != "distributed" and args.cache_type == "none":
-        global_comm.barrier()
+    table = node_emb.gather(torch.arange(args.nodes))  # (collective for distributed memory and caches)
     if rank == 0 and args.out:
         result = {"table": table.cpu(), "table0": table0}
         result.update({f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()})

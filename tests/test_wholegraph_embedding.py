@@ -268,7 +268,8 @@ def body_save_load(ctx, memory_type):
     every = torch.arange(ROWS)
     rep.check(torch.equal(emb2.gather(every), emb.gather(every)), "the table round trip")
     for name in STATES["adam"]:
-        rep.check(torch.equal(emb2.get_optimizer_state(name).gather(every), emb.get_optimizer_state(name).gather(every)),
+        st, st2 = emb.get_optimizer_state(name), emb2.get_optimizer_state(name)
+        rep.check(torch.equal(st2.gather(every), st.gather(every)),
                   f"state {name} round trip")
     for e, o in ((emb, opt), (emb2, opt2)):  # the same next step from both
         ids = batch(2, r)
@@ -308,11 +309,13 @@ def body_errors(ctx, memory_type):
     expect(rep, "an unknown memory type", lambda: ce(comm, "striped", "cpu", f32, [ROWS, DIM]), ValueError,
            "create_embedding", me, "'striped'")
     expect(rep, "an unknown location", lambda: ce(comm, memory_type, "tpu", f32, [ROWS, DIM]), ValueError, me, "'tpu'")
-    expect(rep, "a 1-D embedding", lambda: ce(comm, memory_type, "cpu", f32, [ROWS]), ValueError, me, "2-D", f"[{ROWS}]")
+    expect(rep, "a 1-D embedding", lambda: ce(comm, memory_type, "cpu", f32, [ROWS]), ValueError, me, "2-D",
+           f"[{ROWS}]")
     expect(rep, "a row count of 0", lambda: ce(comm, memory_type, "cpu", f32, [0, DIM]), ValueError, me, "[0, 6]")
     expect(rep, "a bad partition", lambda: ce(comm, memory_type, "cpu", f32, [ROWS, DIM],
                                               embedding_entry_partition=[1] * (n + 1)), ValueError, me, "partition")
-    expect(rep, "a comm that is not one", lambda: ce("world", memory_type, "cpu", f32, [ROWS, DIM]), TypeError, "str 'world'")
+    expect(rep, "a comm that is not one", lambda: ce("world", memory_type, "cpu", f32, [ROWS, DIM]), TypeError,
+           "str 'world'")
     if n > 1:  # one rank's bad argument: the others raise too, naming it
         bad = (lambda: ce(comm, "striped" if r == 1 else memory_type, "cpu", f32, [ROWS, DIM]))
         expect(rep, "one rank's unknown type", bad, ValueError, me, "'striped'" if r == 1 else "rank 1")

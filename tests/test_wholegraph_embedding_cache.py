@@ -11,10 +11,9 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import Report, assert_reports, one_thread
-from test_wholegraph_embedding import TYPES, body_optimizers, expect, fill
+from test_wholegraph_embedding import TYPES, body_optimizers, fill
 from wg_embedding_ref import DIM, HOT, LR, ROWS, STATES, Reference, batch, close, init_table, weights
 
 SET = 32  # lines per cache set

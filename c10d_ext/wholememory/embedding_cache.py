@@ -336,7 +336,7 @@ class LocalCache:
     rank's, or its host's shared by the host's ranks). ``raw_gather(ids)`` reads rows from the
     table (collective over the embedding's group: every rank calls it once per lookup)."""
 
-    def __init__(self, op: str, policy: CachePolicy, rows: int, dim: int, dtype, raw_gather):
+    def __init__(self, policy: CachePolicy, rows: int, dim: int, dtype, raw_gather):
         self.policy, self.raw_gather = policy, raw_gather
         self.coverage = cov = policy.coverage
         group = self.group = policy.group
@@ -344,9 +344,7 @@ class LocalCache:
         sets = -(-rows // cov)
         sets = -(-sets // cw) * cw  # an equal share of sets per cache rank
         kind = WmTensorType.HOST if policy.memory_type == "continuous" else WmTensorType.CHUNKED
-        place = "cpu" if policy.memory_location == "cpu" else None
-        if place is None:
-            compute_device(op, group, "cuda")
+        place = "cpu" if policy.memory_location == "cpu" else None  # (cuda: the current device, checked)
         self.tags = create_wm_tensor(group, [sets, SET_SIZE], [], torch.int64, kind, device=place)
         self.slot_of = create_wm_tensor(group, [sets * cov], [], torch.int64, kind, device=place)
         self.counts = create_wm_tensor(group, [sets * cov], [], torch.int64, kind, device=place)

@@ -11,6 +11,7 @@ the row's gradients, in the same order, and makes the same update.
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 
@@ -59,7 +60,7 @@ def check_create(op: str, group, memory_type, memory_location, dtype, sizes, cac
         fail(op, group, f"dtype {dtype!r} is not supported (one of {', '.join(str(d) for d in _DTYPES)})", TypeError)
     if isinstance(sizes, int) or not hasattr(sizes, "__len__") or len(sizes) != 2:
         fail(op, group, f"sizes must be 2-D [rows, embedding_dim], got {sizes!r}")
-    if any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s <= 0 for s in sizes):
         fail(op, group, f"sizes must be two counts > 0, got {list(sizes)!r}")
     if isinstance(gather_sms, bool) or not isinstance(gather_sms, int):
         fail(op, group, f"gather_sms must be an int, got {gather_sms!r}", TypeError)
@@ -110,6 +111,7 @@ class EmbeddingImpl:
         self.comm, self.group = comm, group
         self.memory_type, self.memory_location, self.dtype = memory_type, memory_location, dtype
         self.logical_rows, self.dim = int(sizes[0]), int(sizes[1])
+        sizes = [self.logical_rows, self.dim]
         self.rr = rr
         rows = self.logical_rows
         if rr:
@@ -142,7 +144,7 @@ class EmbeddingImpl:
                 if not self.owners.ordered:
                     fail(op, self.group, "a read-write cache needs one owner per row; a continuous (host) table "
                          "across hosts has one per host: use chunked or distributed memory")
-                device = compute_device(op, self.group, p.memory_location)
+            device = compute_device(op, self.group, p.memory_location)
         except (ValueError, NotImplementedError) as e:
             error = e
         agree_on_error(op, self.group, error, "rank {rank} cannot make the cache (its error says why)")
@@ -150,7 +152,7 @@ class EmbeddingImpl:
             self.cache = OwnerCache(p, self.owners, self.dim, self.dtype, self.local, device)
             self.device = device
         else:
-            self.cache = LocalCache(op, p, self.rows, self.dim, self.dtype, self.raw_gather)
+            self.cache = LocalCache(p, self.rows, self.dim, self.dtype, self.raw_gather)
 
     @property
     def collective(self) -> bool:
