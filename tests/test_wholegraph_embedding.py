@@ -8,6 +8,7 @@ test_wholegraph_embedding_cache.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -199,6 +200,12 @@ def _share(ctx, name):
     return path
 
 
+def _unshare(ctx, path):
+    dist.barrier()  # every rank is done with the files
+    if ctx.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @one_thread
 def body_layouts(ctx, memory_type):
     """Rows per rank as embedding_entry_partition gives them, and round-robin sharding from a file
@@ -240,6 +247,7 @@ def body_layouts(ctx, memory_type):
             train_and_check(rep, wgth, emb2, "adam", {}, n, what=f"{memory_type} round robin", state_rows=placed)
             expect(rep, "rr: a storage row past the table", lambda: emb2.gather(torch.tensor([ROWS])), IndexError,
                    f"index {ROWS}", f"(rank {r})")
+    _unshare(ctx, where)
     wgth.finalize()
     return rep.result()
 
@@ -286,6 +294,7 @@ def body_save_load(ctx, memory_type):
     emb2.save(prefix)
     emb3.load(prefix)
     rep.check(torch.equal(emb3.gather(every), emb2.gather(every)), "a table without optimizer loads the table")
+    _unshare(ctx, os.path.dirname(prefix))
     wgth.finalize()
     return rep.result()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness import Report, assert_reports, one_thread
-from test_wholegraph_embedding import TYPES, body_optimizers, fill
+from test_wholegraph_embedding import TYPES, _share, _unshare, body_optimizers, fill
 from wg_embedding_ref import DIM, HOT, LR, ROWS, STATES, Reference, batch, close, init_table, weights
 
 SET = 32  # lines per cache set
@@ -198,8 +198,7 @@ def body_read_write(ctx, memory_type, ratio, location, mode):
     c4 = emb.cache_counters()
     rep.check(c4["hits"] == c3["hits"] and c4["misses"] - c3["misses"] == count * n, f"after drop: {c4}")
     # save writes back first; a fresh embedding loads the trained table and states
-    prefix = os.path.join("/tmp", f"wgcache-{os.getppid()}-{ctx.call_id}", "e")
-    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    prefix = os.path.join(_share(ctx, "cache"), "e")
     emb.set_adjust_cache(True)
     emb.gather(batch(0, r))
     emb.save(prefix)
@@ -209,6 +208,7 @@ def body_read_write(ctx, memory_type, ratio, location, mode):
     rep.check(close(fresh.gather(every), ref.w), "save / load of a cached embedding")
     for name in STATES["adam"]:
         rep.check(close(fresh.get_optimizer_state(name).gather(every), ref.states[name]), f"loaded state {name}")
+    _unshare(ctx, os.path.dirname(prefix))
     wgth.finalize()
     return rep.result()
 
