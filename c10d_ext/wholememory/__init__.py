@@ -34,4 +34,5 @@ from .wg_comm import *  # noqa: E402,F401,F403
 from .wg_tensor import *  # noqa: E402,F401,F403
 from .embedding import *  # noqa: E402,F401,F403
 
-__all__ += _wg_comm.__all__ + _wg_tensor.__all__ + _embedding.__all__
+# (destroy_communicator is in both generations: wg_comm's takes either kind of communicator)
+__all__ += [n for n in _wg_comm.__all__ + _wg_tensor.__all__ + _embedding.__all__ if n not in __all__]
