@@ -3,7 +3,7 @@
 // covers them all. A block whose body raised is abandoned, never left open.
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 
 namespace myccl {
 

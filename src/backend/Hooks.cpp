@@ -2,7 +2,7 @@
 // on a failed op, on the thread that saw it), completion hooks (once per Work that completes
 // successfully) and ephemeral timeout extensions.
 #include "myccl/Errors.hpp"
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 
 namespace myccl {
 

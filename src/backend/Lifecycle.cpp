@@ -7,7 +7,7 @@
 #include "myccl/Engine.hpp"
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 #include "myccl/cpu/Engine.hpp"
 
 namespace myccl {

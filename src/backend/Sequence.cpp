@@ -2,7 +2,7 @@
 // point-to-point apart, the same on every rank), the op's timeout with torch's ephemeral
 // extensions, and on the way out its completion hooks, extension and coalescing block.
 #include "myccl/Errors.hpp"
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 
 namespace myccl {
 

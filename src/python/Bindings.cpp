@@ -11,7 +11,7 @@
 #include "myccl/Engine.hpp"
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 #include "myccl/cpu/Copy.hpp"
 #include "myccl/cpu/Reduce.hpp"
 #include "myccl/cpu/Rows.hpp"

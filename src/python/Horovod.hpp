@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 
 // The dtypes the agreed all_reduce offers.
 bool hvdOfferable(c10::ScalarType s);

@@ -26,7 +26,7 @@
 #include "myccl/Arguments.hpp"
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 #include "myccl/Recorder.hpp"
 
 namespace myccl::reducer {

@@ -2,7 +2,7 @@
 // locally is checked here, on the caller's thread, before any peer is involved, so a bad call
 // raises a ValueError naming the op, the rank and the value, and never leaves peers half-way in
 // an op. The engines do the rest (Engine.hpp); the backend's other parts are listed in its header.
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 
 #include <ATen/ATen.h>
 

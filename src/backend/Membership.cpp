@@ -12,7 +12,7 @@
 
 #include "myccl/Engine.hpp"
 #include "myccl/Errors.hpp"
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 #include "myccl/cpu/Engine.hpp"
 
 namespace myccl {

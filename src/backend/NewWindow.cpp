@@ -1,7 +1,7 @@
 // Backend::new_window: one-sided windows (torch 2.15's Window API) on the group's CPU engine
 // (src/cpu/Window.cpp). Collective: every rank makes its n-th window of the group at the same
 // call, so the n-th window has the same tags everywhere.
-#include "myccl/ProcessGroupMyccl.hpp"
+#include "myccl/backend/ProcessGroupMyccl.hpp"
 
 #if MYCCL_HAS_WINDOW
 
