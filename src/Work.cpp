@@ -1,85 +1,24 @@
-// MycclWork: completion, waiting with clear timeout errors, futures and profiler ranges.
+// MycclWork: completion, waiting with clear timeout errors, futures and profiler ranges; and
+// the Work that completes with its children (combineWorks).
 #include "myccl/Work.hpp"
 
 #include <c10/util/Exception.h>
 #include <sched.h>
-#include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
 
 #include <mutex>
 #include <sstream>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "myccl/Errors.hpp"
+#include "myccl/Profiler.hpp"
 
 namespace myccl {
-
-std::exception_ptr makeDistError(const std::string& msg) {
-  try {
-    C10_THROW_ERROR(DistBackendError, msg);
-  } catch (...) {
-    return std::current_exception();
-  }
-}
-
-void throwDistError(const std::string& msg) {
-  C10_THROW_ERROR(DistBackendError, msg);
-}
 
 c10::TypePtr tensorListType() {
   static const c10::TypePtr t = c10::ListType::create(c10::TensorType::get());  // once, not per op
   return t;
 }
-
-std::string OpInfo::describe() const {
-  std::ostringstream os;
-  os << op << " #" << seq << " (rank " << rank << ", group '" << group << "')";
-  return os.str();
-}
-
-namespace {
-
-// "myccl:<op>" for the profiler range, from the op's name rather than its OpType (older torch
-// releases give several ops one OpType). Interned, since the profiler keeps the pointer as long as
-// the range is open, and looked up per thread by the name literal's address, so that an op costs
-// no lock and no allocation here; there are a few dozen call sites.
-const char* profilingTitle(const char* name) {
-  thread_local std::vector<std::pair<const char*, const char*>> seen;
-  for (const auto& [n, title] : seen)
-    if (n == name) return title;
-  static std::mutex mu;
-  static std::unordered_set<std::string> titles;
-  const char* title;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    title = titles.insert(std::string("myccl:") + name).first->c_str();
-  }
-  seen.emplace_back(name, title);
-  return title;
-}
-
-}  // namespace
-
-namespace {
-
-// torch's profiler metadata for an op (only while a RecordFunction observer is installed: it
-// costs an allocation per op).
-void recordParamComms(const OpInfo& info, const std::vector<at::Tensor>& inputs,
-                      const std::vector<at::Tensor>& outputs) {
-  int64_t inNelems = 0, outNelems = 0;
-  for (const auto& t : inputs) inNelems += t.numel();
-  for (const auto& t : outputs) outNelems += t.numel();
-  const at::ScalarType dtype = !inputs.empty()    ? inputs[0].scalar_type()
-                               : !outputs.empty() ? outputs[0].scalar_type()
-                                                  : at::kByte;
-  const std::vector<int64_t> noSplits;
-  RECORD_PARAM_COMMS_DATA(static_cast<int64_t>(info.seq), std::make_tuple(info.group, std::string("myccl")), inputs,
-                          outputs, info.rank, std::string(info.name), inNelems, outNelems, dtype, noSplits, noSplits,
-                          info.rankStart, info.rankStride, info.size);
-}
-
-}  // namespace
 
 MycclWork::MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                      c10::intrusive_ptr<c10::ivalue::Future> future)
@@ -100,8 +39,6 @@ MycclWork::MycclWork(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at
 }
 
 MycclWork::~MycclWork() = default;
-
-
 
 bool MycclWork::isCompleted() {
   std::lock_guard<std::mutex> lk(mutex_);

@@ -20,7 +20,7 @@ struct Where {
   std::string str() const { return std::string(op) + " (rank " + std::to_string(rank) + ")"; }
 };
 
-// A text made only when needed (Where, Described in Work.hpp) prints and joins with strings as
+// A text made only when needed (Where, Described in OpInfo.hpp) prints and joins with strings as
 // the string it stands for.
 template <class T>
 concept LazyText = requires(const T& t) {
