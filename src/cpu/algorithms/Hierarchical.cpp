@@ -8,11 +8,10 @@
 #include "Hierarchical.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 
 #include "Flat.hpp"
-#include "ShmAlgorithms.hpp"
+#include "Levels.hpp"
 #include "myccl/Topology.hpp"
 
 namespace myccl::cpu::hier {
@@ -20,94 +19,9 @@ namespace myccl::cpu::hier {
 namespace {
 
 constexpr uint32_t kStepLeaders = 20;
-// Scratch slots above the flat algorithms' (which the local and cross-host phases also run).
-constexpr int kSlotA = flat::kScratchSlots, kSlotB = kSlotA + 1, kSlotC = kSlotA + 2, kSlotD = kSlotA + 3,
-              kSlotWide = kSlotA + 4;
-struct Levels {
-  std::vector<int> local;    // group ranks on this host
-  std::vector<int> leaders;  // one representative per host, by host index
-  int localIdx = 0;
-  int hostIdx = 0;
-  bool representative = false;
-};
-
-Levels levels(const CollCtx& c, int rootRank = -1) {
-  const Topology& t = *c.topo;
-  Levels L;
-  L.local = t.localRanks;
-  L.localIdx = t.localRank;
-  L.hostIdx = t.crossRank;
-  L.leaders.assign(t.crossSize, -1);
-  for (int r = 0; r < t.size; ++r) {
-    int h = t.hostOfRank[r];
-    if (L.leaders[h] < 0) L.leaders[h] = r;
-  }
-  if (rootRank >= 0) L.leaders[t.hostOfRank[rootRank]] = rootRank;
-  L.representative = L.leaders[L.hostIdx] == t.rank;
-  return L;
-}
 
 int indexIn(const std::vector<int>& v, int x) {
   return static_cast<int>(std::find(v.begin(), v.end(), x) - v.begin());
-}
-
-// ---- local phases: shared memory when this host has it, else flat over TCP among its ranks ----
-
-void localReduce(CollCtx& c, Levels& L, const void* in, void* out, size_t count, const ReduceSpec& spec, int rootIdx) {
-  if (L.local.size() == 1) {
-    if (out != in) std::memcpy(out, in, count * dtypeSize(spec.dtype));
-    return;
-  }
-  if (c.shm) return shmalg::reduce(c, *c.shm, in, out, count, spec, rootIdx);
-  auto lc = c.sub(L.local, L.localIdx);
-  flat::reduce(lc, in, out, count, spec, rootIdx);
-}
-
-void localBroadcast(CollCtx& c, Levels& L, void* buf, size_t nbytes, int rootIdx) {
-  if (L.local.size() == 1) return;
-  if (c.shm) return shmalg::broadcast(c, *c.shm, buf, nbytes, rootIdx);
-  auto lc = c.sub(L.local, L.localIdx);
-  flat::broadcast(lc, buf, nbytes, rootIdx);
-}
-
-void localGatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, const size_t* nbytes, int rootIdx) {
-  if (L.local.size() == 1) {
-    if (outs[0] != in && nbytes[0]) std::memcpy(outs[0], in, nbytes[0]);
-    return;
-  }
-  if (c.shm) return shmalg::gatherv(c, *c.shm, in, outs, nbytes, rootIdx);
-  auto lc = c.sub(L.local, L.localIdx);
-  flat::gatherv(lc, in, outs, nbytes, rootIdx);
-}
-
-void localScatterv(CollCtx& c, Levels& L, const void* const* ins, void* out, const size_t* nbytes, int rootIdx) {
-  if (L.local.size() == 1) {
-    if (ins[0] != out && nbytes[0]) std::memcpy(out, ins[0], nbytes[0]);
-    return;
-  }
-  if (c.shm) return shmalg::scatterv(c, *c.shm, ins, out, nbytes, rootIdx);
-  auto lc = c.sub(L.local, L.localIdx);
-  flat::scatterv(lc, ins, out, nbytes, rootIdx);
-}
-
-void localReduceScatterv(CollCtx& c, Levels& L, const void* const* ins, void* out, const size_t* counts,
-                         const ReduceSpec& spec) {
-  if (c.shm) return shmalg::reduceScatterv(c, *c.shm, ins, out, counts, spec);
-  auto lc = c.sub(L.local, L.localIdx);
-  flat::reduceScatterv(lc, ins, out, counts, spec);
-}
-
-void localAllgatherv(CollCtx& c, Levels& L, const void* in, void* const* outs, const size_t* nbytes) {
-  if (c.shm) return shmalg::allgatherv(c, *c.shm, in, outs, nbytes);
-  auto lc = c.sub(L.local, L.localIdx);
-  flat::allgatherv(lc, in, outs, nbytes);
-}
-
-// byHost[h]: the group ranks on host h, ascending (like localRanks).
-std::vector<std::vector<int>> ranksByHost(const Topology& t) {
-  std::vector<std::vector<int>> byHost(t.crossSize);
-  for (int r = 0; r < t.size; ++r) byHost[t.hostOfRank[r]].push_back(r);
-  return byHost;
 }
 
 // stripes[i][h]: the rank with local index i on host h. Empty when the hosts hold different
@@ -134,13 +48,6 @@ size_t stripeLayout(const std::vector<std::vector<int>>& st, const size_t* perRa
     total += sizes[i];
   }
   return total;
-}
-
-void localBarrier(CollCtx& c, Levels& L) {
-  if (L.local.size() == 1) return;
-  if (c.shm) return shmalg::barrier(c, *c.shm);
-  auto lc = c.sub(L.local, L.localIdx);
-  flat::barrier(lc);
 }
 
 }  // namespace
@@ -513,127 +420,6 @@ void barrier(CollCtx& c) {
   }
   localBarrier(c, L);
   c.algo = c.shm ? "hierarchical-shm-tcp" : "hierarchical-tcp";
-}
-
-// ---- MYCCL_HIERARCHICAL=auto: what the choice rests on ----
-
-namespace {
-
-// Per rank and direction: enough to see past a token bucket's burst and TCP's first round trips
-// on a link of a few hundred Mbit/s, small enough to cost tens of milliseconds there, once.
-constexpr size_t kProbeBytes = 1024 * 1024;
-// Per rank, inside a host: larger than caches, as the local phases of the ops worth choosing for
-// are (a 1 MiB exchange runs from cache, up to several times faster); a few milliseconds.
-constexpr size_t kLocalProbeBytes = 8 * 1024 * 1024;
-// Each phase (and round) of the probe numbers its steps apart (flat algorithms' steps stay below 0x40).
-constexpr uint64_t kProbeSync = 0x100, kProbeLocal = 0x200, kProbeCross = 0x300, kProbeGather = 0x400,
-                   kProbeLocalSync = 0x500;
-
-struct ProbeReport {
-  double localSeconds;  // this rank's all-gather among its host's ranks (0: alone on its host)
-  double crossSeconds;  // this rank's exchange with the next and previous hosts (0: none)
-  uint64_t crossBytes;  // what this rank sent across
-  int32_t host;
-  int32_t localSize;
-};
-
-double secondsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-}  // namespace
-
-// Every rank runs the same phases in the same order, each timed after a barrier, and ends with
-// every rank's figures, so the choice made from them (Select.cpp) is the same everywhere.
-LinkModel measureLink(CollCtx& c, double declaredLinkBytesPerS) {
-  const auto start = std::chrono::steady_clock::now();
-  const Topology& t = *c.topo;
-  Levels L = levels(c);
-  CollCtx pc = c;
-  pc.tagBase = collectiveTagBase(OpCode::LinkProbe, tagSeq(c.tagBase));
-  auto phase = [&](uint64_t p) {
-    CollCtx x = pc;
-    x.tagBase |= p;
-    return x;
-  };
-  char* mine = static_cast<char*>(c.scratch.get(kSlotA, kLocalProbeBytes));
-  std::memset(mine, t.rank & 0xff, kLocalProbeBytes);  // pages touched before the clock runs
-  ProbeReport me{0, 0, 0, t.crossRank, static_cast<int32_t>(L.local.size())};
-  const int nl = static_cast<int>(L.local.size());
-  if (nl > 1) {
-    char* all = static_cast<char*>(c.scratch.get(kSlotB, kLocalProbeBytes * nl));
-    std::memset(all, 0, kLocalProbeBytes * nl);
-    std::vector<void*> outs(nl);
-    std::vector<size_t> sizes(nl, kLocalProbeBytes);
-    for (int i = 0; i < nl; ++i) outs[i] = all + i * kLocalProbeBytes;
-    // Three times, the fastest of the last two kept: the first maps the group's shared pages (a
-    // one-time cost), and a millisecond's exchange is easily stretched by a descheduled rank.
-    for (uint64_t round = 0; round < 3; ++round) {
-      CollCtx lsc = phase(kProbeLocalSync | round << 6), lc = phase(kProbeLocal | round << 6);
-      localBarrier(lsc, L);
-      const auto t0 = std::chrono::steady_clock::now();
-      localAllgatherv(lc, L, mine, outs.data(), sizes.data());
-      const double secs = secondsSince(t0);
-      if (round == 1 || (round > 1 && secs < me.localSeconds)) me.localSeconds = secs;
-    }
-  }
-  if (declaredLinkBytesPerS <= 0) {
-    // Local rank i of every host sends to local rank i of the next host: every rank of a host
-    // at once, as both the flat and the striped algorithms load the link.
-    const auto byHost = ranksByHost(t);
-    const auto& next = byHost[(t.crossRank + 1) % t.crossSize];
-    const auto& prev = byHost[(t.crossRank + t.crossSize - 1) % t.crossSize];
-    char* got = static_cast<char*>(c.scratch.get(kSlotC, kProbeBytes));
-    std::memset(got, 0, kProbeBytes);
-    // Twice, the second timed: the first opens TCP's congestion windows.
-    for (uint64_t round = 0; round < 2; ++round) {
-      CollCtx sc = phase(kProbeSync | round << 6), xc = phase(kProbeCross | round << 6);
-      flat::barrier(sc);
-      const auto t0 = std::chrono::steady_clock::now();
-      std::vector<RequestPtr> reqs;
-      if (L.localIdx < static_cast<int>(prev.size()))
-        reqs.push_back(xc.irecv(prev[L.localIdx], xc.tag(1), got, kProbeBytes));
-      if (L.localIdx < static_cast<int>(next.size())) {
-        reqs.push_back(xc.isend(next[L.localIdx], xc.tag(1), mine, kProbeBytes));
-        me.crossBytes = kProbeBytes;
-      }
-      waitAll(reqs, c.deadline);
-      if (!reqs.empty()) me.crossSeconds = secondsSince(t0);
-    }
-  }
-  std::vector<ProbeReport> reports(t.size);
-  std::vector<void*> outs(t.size);
-  std::vector<size_t> sizes(t.size, sizeof(ProbeReport));
-  for (int r = 0; r < t.size; ++r) outs[r] = &reports[r];
-  CollCtx gc = phase(kProbeGather);
-  flat::allgatherv(gc, &me, outs.data(), sizes.data());
-
-  LinkModel m;
-  m.measured = true;
-  m.hosts = t.crossSize;
-  m.ranksPerHost = static_cast<double>(t.size) / t.crossSize;
-  if (declaredLinkBytesPerS > 0) {
-    m.declared = true;
-    m.linkBytesPerS = declaredLinkBytesPerS;
-  } else {
-    // Everyone started together (after the barrier): a host's link carried what its ranks sent
-    // in the time the slowest exchange took.
-    std::vector<uint64_t> sent(t.crossSize, 0);
-    double slowest = 0;
-    for (auto& rep : reports) {
-      sent[rep.host] += rep.crossBytes;
-      slowest = std::max(slowest, rep.crossSeconds);
-    }
-    m.linkBytesPerS = static_cast<double>(*std::min_element(sent.begin(), sent.end())) / std::max(slowest, 1e-9);
-  }
-  for (auto& rep : reports) {
-    if (rep.localSize < 2) continue;
-    const double rate = static_cast<double>(rep.localSize - 1) * kLocalProbeBytes / std::max(rep.localSeconds, 1e-9);
-    m.localBytesPerS = m.localBytesPerS > 0 ? std::min(m.localBytesPerS, rate) : rate;
-  }
-  m.bytes = 2 * me.crossBytes + (nl > 1 ? 3 * kLocalProbeBytes : 0);
-  m.seconds = secondsSince(start);
-  return m;
 }
 
 }  // namespace myccl::cpu::hier

@@ -30,8 +30,6 @@ void leaderReduceScatterv(CollCtx& c, const void* const* ins, void* out, const s
 void widenedReduceScatterv(CollCtx& c, const void* const* ins, void* out, const size_t* counts,
                            const ReduceSpec& spec);
 void barrier(CollCtx& c);
-// MYCCL_HIERARCHICAL=auto's measurement (collective): the figures; Select.cpp decides from them.
-LinkModel measureLink(CollCtx& c, double declaredLinkBytesPerS);
 
 // The family's entry points (Select.cpp).
 void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec);

@@ -7,6 +7,7 @@
 
 #include "Flat.hpp"
 #include "Hierarchical.hpp"
+#include "LinkProbe.hpp"
 #include "ShmAlgorithms.hpp"
 #include "myccl/Topology.hpp"
 #include "myccl/cpu/Reduce.hpp"
