@@ -33,6 +33,48 @@ NcclEngine::Impl::Impl(c10::intrusive_ptr<c10d::Store> s, std::string keyPrefix,
   // The watchdog's thread starts with the first communicator, on that communicator's device.
 }
 
+bool NcclEngine::Impl::isCoalescing() {
+  std::lock_guard<std::mutex> lk(coalesceMu);
+  return coalescing;
+}
+
+void NcclEngine::Impl::checkOpen(const OpInfo& info) const {
+  watchdog->throwIfFailed(info);
+  if (closed) throwDistError("myccl: " + info.describe() + ": the group has been shut down");
+}
+
+NcclWorkPtr NcclEngine::Impl::makeWork(OpInfo info, std::vector<at::Tensor>&& inputs,
+                                      std::vector<at::Tensor>&& outputs, c10::Device device) {
+  auto w = c10::make_intrusive<NcclWork>(std::move(info), std::move(inputs), std::move(outputs), device, rt.device,
+                                         watchdog, cfg.blockingWait);
+  if (recorder) {
+    const auto type = w->info().type;
+    const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV;
+    w->setRecord(recorder, recorder->queued(w->info(), p2p));
+  }
+  return w;
+}
+
+NcclReduce NcclEngine::Impl::plan(const Reduction& red, const OpInfo& info, c10::Device device) {
+  if (isFloat8(red.spec.dtype)) {
+    const auto [version, capability] = float8Facts(device.index());
+    checkFloat8(red.spec.dtype, argWhere(info), version, capability);
+  }
+  NcclReduce p = planReduce(red, argWhere(info));
+  // The average of one rank is its value: a plain sum, which NCCL does for every type (its
+  // one-rank path refuses ncclAvg of float8).
+  if (size == 1 && p.op == kNcclAvg) p.op = kNcclSum;
+  return p;
+}
+
+std::pair<int, int> NcclEngine::Impl::float8Facts(int device) {
+  std::lock_guard<std::mutex> lk(factsMu);
+  if (ncclVersion < 0) ncclVersion = rt.nccl->version();
+  auto it = capabilityOf.find(device);
+  if (it == capabilityOf.end()) it = capabilityOf.emplace(device, dev.computeCapability(device)).first;
+  return {ncclVersion, it->second};
+}
+
 std::shared_ptr<Event> NcclEngine::Impl::pooledEvent(bool timing) {
   constexpr size_t kLook = 4;      // candidates looked at before making another
   constexpr size_t kMax = 1 << 12;  // past this many in flight, events are not kept

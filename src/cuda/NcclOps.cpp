@@ -1,6 +1,6 @@
 // What each op launches on the CUDA engine: the NCCL calls of every collective and
 // point-to-point op, with the staging copies that make non-contiguous or mismatched tensors
-// contiguous, expressed against Launch (EngineImpl.hpp). Local copies are staged on the op's
+// contiguous, expressed against Launch (Launch.hpp). Local copies are staged on the op's
 // stream too, never run on the host.
 #include "EngineImpl.hpp"
 
