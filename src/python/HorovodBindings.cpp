@@ -20,6 +20,8 @@
 
 namespace py = pybind11;
 
+namespace myccl::horovod {
+
 namespace {
 
 bool agreedWait(myccl::MycclBackend& b, at::Tensor& t, at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op) {
@@ -29,7 +31,7 @@ bool agreedWait(myccl::MycclBackend& b, at::Tensor& t, at::Tensor& agreed, int64
 
 }  // namespace
 
-bool hvdOfferable(at::ScalarType s) {
+bool offerable(at::ScalarType s) {
   switch (s) {
     case at::kFloat:
     case at::kDouble:
@@ -89,10 +91,10 @@ std::vector<Chunk> plan(const std::vector<at::Tensor>& tensors, int64_t fuseByte
 
 }  // namespace
 
-uint64_t hvdKeyOfTensors(uint64_t key, const std::vector<at::Tensor>& tensors) {
+uint64_t keyOfTensors(uint64_t key, const std::vector<at::Tensor>& tensors) {
   uint64_t h = key;
   for (const auto& t : tensors) {
-    if (!t.defined() || !t.device().is_cpu() || myccl::onCudaEngine(t) || t.layout() != at::kStrided || !hvdOfferable(t.scalar_type()) ||
+    if (!t.defined() || !t.device().is_cpu() || myccl::onCudaEngine(t) || t.layout() != at::kStrided || !offerable(t.scalar_type()) ||
         !t.is_contiguous())
       return 0;
     h = mix(mix(h, static_cast<uint64_t>(t.scalar_type())), static_cast<uint64_t>(t.dim()));
@@ -101,11 +103,11 @@ uint64_t hvdKeyOfTensors(uint64_t key, const std::vector<at::Tensor>& tensors) {
   return h ? h : 1;  // 0 means "no offer"
 }
 
-int hvdAgreedMany(myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors, const std::vector<bool>& inplace,
-                  at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op, double scale, int64_t fuseBytes,
+int agreedMany(MycclBackend* b, const std::vector<at::Tensor>& tensors, const std::vector<bool>& inplace,
+               at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op, double scale, int64_t fuseBytes,
                   int64_t aloneBytes, int64_t agreeBytes, std::vector<at::Tensor>& out) {
   if (tensors.empty() || inplace.size() != tensors.size()) return -1;
-  const uint64_t h = hvdKeyOfTensors(static_cast<uint64_t>(key), tensors);
+  const uint64_t h = keyOfTensors(static_cast<uint64_t>(key), tensors);
   if (h == 0) return -1;
   const bool agreeHere = agreeBytes >= 0;  // else the ranks agreed already: plain all_reduces only
   out.assign(tensors.size(), at::Tensor());
@@ -179,7 +181,7 @@ int hvdAgreedMany(myccl::MycclBackend* b, const std::vector<at::Tensor>& tensors
   return ok ? 1 : 0;
 }
 
-uint64_t hvdKeyOfNames(const std::vector<std::string>& names, int64_t op, double post) {
+uint64_t keyOfNames(const std::vector<std::string>& names, int64_t op, double post) {
   uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a over the names, each ended by a zero byte
   for (const auto& nm : names) {
     for (unsigned char c : nm) h = (h ^ c) * 0x100000001B3ull;
@@ -191,14 +193,18 @@ uint64_t hvdKeyOfNames(const std::vector<std::string>& names, int64_t op, double
   return h ? h : 1;  // 0 means "no offer"
 }
 
+}  // namespace myccl::horovod
+
+namespace hvd = myccl::horovod;
+
 void bindHorovod(py::module& m) {
   // The key of a list of names with its op and postscale (_HeldList.run, agreed._key_many).
   m.def("_hvd_key", [](const std::vector<std::string>& names, int64_t op, double post) {
-    return static_cast<int64_t>(hvdKeyOfNames(names, op, post));
+    return static_cast<int64_t>(hvd::keyOfNames(names, op, post));
   });
 
   // One tensor: whether every rank agreed (the tensor then holds the result).
-  m.def("_agreed_all_reduce_wait", &agreedWait, py::arg("backend"), py::arg("tensor"), py::arg("agreed"),
+  m.def("_agreed_all_reduce_wait", &hvd::agreedWait, py::arg("backend"), py::arg("tensor"), py::arg("agreed"),
         py::arg("key"), py::arg("op"), py::call_guard<py::gil_scoped_release>());
 
   // Many tensors as one agreed step: the key (their names and what else must agree, with every
@@ -222,7 +228,7 @@ void bindHorovod(py::module& m) {
         int got;
         {
           py::gil_scoped_release nogil;
-          got = hvdAgreedMany(b, tensors, inplace, agreed, key, op, scale, fuseBytes, aloneBytes, agreeBytes, out);
+          got = hvd::agreedMany(b, tensors, inplace, agreed, key, op, scale, fuseBytes, aloneBytes, agreeBytes, out);
         }
         if (got < 0) return py::none();
         if (got == 0) return py::bool_(false);  // declined (a list of none is never offered)

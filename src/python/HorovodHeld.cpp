@@ -33,6 +33,7 @@
 #include "myccl/backend/Engines.hpp"
 
 namespace py = pybind11;
+namespace hvd = myccl::horovod;
 
 namespace {
 
@@ -88,7 +89,7 @@ double monotonic() {
 }
 
 bool holdable(const at::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && !myccl::onCudaEngine(t) && t.layout() == at::kStrided && hvdOfferable(t.scalar_type()) &&
+  return t.defined() && t.device().is_cpu() && !myccl::onCudaEngine(t) && t.layout() == at::kStrided && hvd::offerable(t.scalar_type()) &&
          t.is_contiguous();
 }
 
@@ -280,7 +281,7 @@ void bindHorovodHeld(py::module& m) {
       .def_property_readonly("op", [](const HeldList& l) { return l.op; })
       .def_property_readonly("post", [](const HeldList& l) { return l.post; })
       // Runs a taken list as one agreed step (the key of its names, op and postscale riding on
-      // it; hvdAgreedMany): 1 done, 0 the ranks' lists differed (nothing written), -1 a tensor
+      // it; horovod::agreedMany): 1 done, 0 the ranks' lists differed (nothing written), -1 a tensor
       // it cannot offer, -2 one tensor the agreed op carries itself (the caller offers it with the
       // key a queued cycle would: agreed.run_list). No backend: a set of one, nothing reduced. A
       // negative `agree_bytes`: the ranks agreed already (key), every buffer a plain all_reduce.
@@ -289,9 +290,9 @@ void bindHorovodHeld(py::module& m) {
           [](HeldList& l, myccl::MycclBackend* b, at::Tensor& agreed, const c10d::ReduceOp& op, double scale,
              int64_t fuseBytes, int64_t aloneBytes, int64_t agreeBytes) {
             if (l.tensors.size() == 1 && l.bytes <= agreeBytes) return -2;  // (never when agreed already)
-            const int64_t key = b != nullptr ? static_cast<int64_t>(hvdKeyOfNames(l.names, l.op, l.post)) : 0;
+            const int64_t key = b != nullptr ? static_cast<int64_t>(hvd::keyOfNames(l.names, l.op, l.post)) : 0;
             std::vector<at::Tensor> out;
-            const int got = hvdAgreedMany(b, l.tensors, l.inplace, agreed, key, op, scale, fuseBytes, aloneBytes,
+            const int got = hvd::agreedMany(b, l.tensors, l.inplace, agreed, key, op, scale, fuseBytes, aloneBytes,
                                           agreeBytes, out);
             if (got == 1) {
               std::lock_guard<std::mutex> g(gMu);
@@ -307,7 +308,7 @@ void bindHorovodHeld(py::module& m) {
       // negotiation (sets across hosts, agreed.flush).
       .def("key",
            [](const HeldList& l) {
-             return static_cast<int64_t>(hvdKeyOfTensors(hvdKeyOfNames(l.names, l.op, l.post), l.tensors));
+             return static_cast<int64_t>(hvd::keyOfTensors(hvd::keyOfNames(l.names, l.op, l.post), l.tensors));
            })
       .def("complete",
            [](HeldList& l, std::vector<at::Tensor> results) {
