@@ -4,7 +4,6 @@
 # MYCCL_BUILD_TESTS=1 also builds c10d_ext._test_double, the strict CUDA/NCCL host double the
 # tests run the CUDA engine on (scripts/setup.sh sets it for the source tree's venv; wheels and
 # `pip install .` leave it out).
-import glob
 import os
 import sys
 
@@ -14,6 +13,8 @@ import torch
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)
+import build_sources  # noqa: E402  (which sources each build compiles; the C++ unit tests use it too)
 
 
 def _site_packages_dirs():
@@ -95,25 +96,6 @@ def _nccl_config():
     else:
         libs.append("cudart")
     return inc, lib_dirs, libs
-
-
-# The test double's own files: never in _C.
-_TEST_DOUBLE = ("src/cuda/double/", "src/python/TestDoubleModule.cpp")
-
-
-def _sources(with_nccl):
-    # The CUDA engine's logic builds everywhere; only the real runtime (src/cuda/real: CUDA and
-    # NCCL headers) needs NCCL.
-    srcs = sorted(glob.glob("src/**/*.cpp", recursive=True))
-    srcs = [s for s in srcs if not s.startswith(_TEST_DOUBLE)]
-    if not with_nccl:
-        srcs = [s for s in srcs if not s.startswith("src/cuda/real/")]
-    return srcs
-
-
-def _test_double_sources():
-    # The double, the seam's vocabulary it shares with the engine, and its module.
-    return sorted(glob.glob("src/cuda/double/*.cpp")) + ["src/cuda/Runtime.cpp", "src/python/TestDoubleModule.cpp"]
 
 
 def _build_tests():
@@ -214,7 +196,7 @@ setup(
     ext_modules=[
         CppExtension(
             name="c10d_ext._C",
-            sources=_sources(nccl is not None),
+            sources=build_sources.extension_sources(nccl is not None),
             include_dirs=include_dirs,
             library_dirs=library_dirs,
             libraries=libraries,
@@ -228,7 +210,7 @@ setup(
         [
             CppExtension(
                 name="c10d_ext._test_double",
-                sources=_test_double_sources(),
+                sources=build_sources.test_double_sources(),
                 include_dirs=[os.path.join(ROOT, "include"), os.path.join(ROOT, "src")],
                 define_macros=[("MYCCL_TORCH_VERSION", f'"{torch.__version__}"')],
                 extra_compile_args={"cxx": cxx_flags},

@@ -1,7 +1,8 @@
 """Builds and runs the C++ unit tests under tests/cpp (receive matching, the flat algorithms, the
 CUDA double) with the system compiler: -Werror, checked iterators, and, where a test needs torch's
 headers (c10 errors, ATen types), the running interpreter's torch (CPU headers and libraries only).
-Each test binary prints its failed checks and exits non-zero if any failed."""
+Each test binary prints its failed checks and exits non-zero if any failed. Which of the
+extension's sources a test compiles comes from build_sources.py, the lists the build itself uses."""
 
 from __future__ import annotations
 

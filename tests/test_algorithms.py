@@ -6,16 +6,10 @@ fold in rank order). An algorithm bug shows up here by name, not as a hung multi
 
 import re
 
+import build_sources
 from cpp_build import build, run
 
-SOURCES = [
-    "tests/cpp/test_algorithms.cpp",
-    "src/cpu/algorithms/FlatCommon.cpp", "src/cpu/algorithms/Direct.cpp", "src/cpu/algorithms/Ring.cpp",
-    "src/cpu/algorithms/Bruck.cpp", "src/cpu/algorithms/HalvingDoubling.cpp", "src/cpu/algorithms/Tree.cpp",
-    "src/cpu/algorithms/Chain.cpp", "src/cpu/algorithms/Common.cpp", "src/cpu/algorithms/Tags.cpp",
-    "src/cpu/Reduce.cpp", "src/cpu/Copy.cpp", "src/cpu/Parallel.cpp", "src/cpu/transport/Transport.cpp",
-    "src/Reduction.cpp",
-]
+SOURCES = ["tests/cpp/test_algorithms.cpp"] + build_sources.part("flat_algorithms")
 
 
 def test_flat_algorithms(tmp_path):

@@ -44,3 +44,23 @@ def test_build_for_another_torch_refuses_to_load(tmp_path):
     assert err.startswith("ImportError: c10d_ext 0.2.0+torch2.99 was built for torch 2.99.0"), err
     assert f"torch {torch.__version__} is installed" in err, err
     assert f"{sys.executable} -m pip install --no-build-isolation --no-deps -e {tmp_path}" in err, err
+
+
+def test_source_lists_are_the_builds():
+    """The C++ unit tests compile parts of the extension named in build_sources.py, the module
+    setup.py takes its lists from: each part resolves to sources the extension builds, and the
+    test double's own files are never in the extension."""
+    import pytest
+
+    import build_sources
+
+    ext = build_sources.extension_sources(with_nccl=True)
+    assert ext == sorted(ext) and ext[0].startswith("src/") and "src/backend/ProcessGroupMyccl.cpp" in ext
+    for name in build_sources.PARTS:
+        part = build_sources.part(name)
+        assert part and set(part) <= set(ext), name
+    assert not any(s.startswith(build_sources.TEST_DOUBLE) for s in ext)
+    double = build_sources.test_double_sources()
+    assert set(double) & set(ext) == set(build_sources.resolve(build_sources.CUDA_SEAM))
+    with pytest.raises(ValueError, match="'Nowhere.cpp' names 0 of the extension's sources"):
+        build_sources.resolve(["Nowhere.cpp"])

@@ -3,17 +3,13 @@ double's sources (src/cuda/double, and the seam's src/cuda/Runtime.cpp) against 
 libraries only) and runs it, so a broken double shows up here by test name rather than as odd
 failures of the CUDA engine's tests that run on it."""
 
-import os
-
-from cpp_build import ROOT, build, run
-
-DOUBLE = os.path.join(ROOT, "src", "cuda", "double")
+import build_sources
+from cpp_build import build, run
 
 
 def test_cuda_double_unit_tests(tmp_path):
-    sources = sorted(os.path.join("src", "cuda", "double", f) for f in os.listdir(DOUBLE) if f.endswith(".cpp"))
-    # The seam's own vocabulary (type sizes and names), which the double shares with the engine.
-    sources += [os.path.join("src", "cuda", "Runtime.cpp"), os.path.join("tests", "cpp", "test_cuda_double.cpp")]
+    # The double and the seam's own vocabulary (type sizes and names), which it shares with the engine.
+    sources = build_sources.cuda_double_sources() + ["tests/cpp/test_cuda_double.cpp"]
     exe = build(tmp_path, "test_cuda_double", sources, with_torch=True)
     # The binary bounds itself (a watchdog ends a hung test with its name); this is the backstop.
     run(exe, timeout=180, what="CUDA double unit tests")
@@ -22,8 +18,7 @@ def test_cuda_double_unit_tests(tmp_path):
 def test_cuda_memory_unit_tests(tmp_path):
     """The double's shared device memory (Memory.cpp) and SharedRegion, the C++ under whole-memory
     DEVICE and CUDA CHUNKED tensors: sharing, lifetime, every misuse, a use after unmap."""
-    sources = [os.path.join("src", "cuda", "double", f) for f in sorted(os.listdir(DOUBLE)) if f.endswith(".cpp")]
-    sources += [os.path.join("src", "cuda", "Runtime.cpp"), os.path.join("src", "cuda", "SharedRegion.cpp"),
-                os.path.join("tests", "cpp", "test_cuda_memory.cpp")]
+    sources = (build_sources.cuda_double_sources() + build_sources.part("shared_region")
+               + ["tests/cpp/test_cuda_memory.cpp"])
     exe = build(tmp_path, "test_cuda_memory", sources, with_torch=True)
     run(exe, timeout=120, what="CUDA memory unit tests")
