@@ -2,9 +2,15 @@
 
 C++ never reads the environment: the backend creator turns these values (overridden by any
 field set on ``c10d_ext.Options``) into one ``_C.Config`` per process group. A variable's
-``Options`` field is its name without ``MYCCL_``, in lower case. ``python -m c10d_ext.info``
-prints this table with the values in effect, and docs/CONFIG.md is generated from it
-(``python scripts/gen_config_doc.py``; a test checks that it is current).
+``Options`` field is its name without ``MYCCL_``, in lower case. Python code reads a variable
+through ``value()`` or ``parse_env()``, never through ``os.environ`` (tests/test_config.py checks).
+``python -m c10d_ext.info`` prints this table with the values in effect, and docs/CONFIG.md is
+generated from it (``python scripts/gen_config_doc.py``; a test checks that it is current), with
+the variables c10d_ext's launchers set for the processes they start and those the build reads
+(``BUILD_VARS``, read by setup.py, which cannot import the package it builds).
+
+This module imports nothing of c10d_ext at import time (only a C++ default needs ``_C``): the
+Horovod launcher's worker wrapper loads it from its file without the package (horovod/run.py).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class Var:
     python_default: Any = CPP  # only for cpp=False variables
     show: Callable[[Any], str] = str  # a parsed value in the words users write
     public: bool = True  # False: a testing knob, left out of Options' docs, CONFIG.md and info
+    set_by: str = ""  # who sets it for the processes it starts (not users): its own table in CONFIG.md
 
     @property
     def field(self) -> str:
@@ -232,6 +239,17 @@ VARS: list[Var] = [
         "c10d_ext.horovod.run: how to run a command on another host, a command prefix with {host} "
         "(and optionally {command}), e.g. 'ip netns exec {host}'; unset: ssh", cpp=False,
         python_default="", show=_show_str),
+    Var("MYCCL_HVD_SLOTS", _str,
+        "the rank table of one host's workers ('rank,size,local_rank,local_size,cross_rank,cross_size' "
+        "per worker, ';' between), from which each worker's wrapper takes its HOROVOD_* variables",
+        cpp=False, python_default="", show=_show_str, set_by="c10d_ext.horovod.run, for each host's agent"),
+    Var("MYCCL_HVD_TAG", _str,
+        "the rank a worker's output lines are tagged with ([<rank>]<stdout>:), its first rank; unset: RANK",
+        cpp=False, python_default="", show=_show_str, set_by="c10d_ext.horovod.run's elastic driver, for each worker"),
+    Var("MYCCL_HVD_WORKER_ID", _str,
+        "the worker's name in the elastic driver, which the worker publishes in the job's store so that "
+        "the driver can ask it to leave when its host does", cpp=False, python_default="", show=_show_str,
+        set_by="c10d_ext.horovod.run's elastic driver, for each worker"),
     Var("MYCCL_WM_DIRECT", _bool,
         "c10d_ext.wholememory: a DISTRIBUTED tensor over CPU ranks of one host keeps each rank's part "
         "in shared memory and its gathers read rows where they lie; 0: every access is the exchange "
@@ -263,6 +281,27 @@ VARS: list[Var] = [
 # Variables that fall back to torch's own name for the same setting when ours is unset.
 TORCH_FALLBACKS = {"MYCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 
+
+@dataclass(frozen=True)
+class BuildVar:
+    """A variable setup.py reads when it builds c10d_ext._C (not at run time)."""
+
+    name: str
+    default: str
+    meaning: str
+
+
+BUILD_VARS: list[BuildVar] = [
+    BuildVar("MYCCL_WITH_NCCL", "auto",
+             "the NCCL engine (CUDA tensors): 1 builds it and fails naming what is missing, 0 leaves it out, "
+             "auto (unset) builds it when torch is a CUDA build and NCCL's header and library are found"),
+    BuildVar("MYCCL_BUILD_TESTS", "0",
+             "1 also builds c10d_ext._test_double, the strict CUDA/NCCL host double the tests run the CUDA "
+             "engine on (scripts/setup.sh sets it for the source tree's venv; wheels leave it out)"),
+    BuildVar("MYCCL_DEBUG_BUILD", "0",
+             "1 compiles with debug information, without optimisation and with frame pointers"),
+]
+
 BY_NAME = {v.name: v for v in VARS}
 BY_FIELD = {v.field: v for v in VARS}
 GROUP_FIELDS = [v.field for v in VARS if v.cpp]
@@ -273,22 +312,28 @@ RENAMED_FIELDS = {"split_shares_links": "split_links", "flight_recorder_entries"
                   "debug_detail": "debug"}
 
 
+def _parse(var: Var, env) -> Any:
+    raw = env.get(var.name)
+    if raw is None and var.name in TORCH_FALLBACKS:
+        raw = env.get(TORCH_FALLBACKS[var.name])
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"myccl: environment variable {var.name}={raw!r} is invalid: {e}") from None
+
+
 def parse_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:
     """Returns {field: value} for every variable, raising ValueError on a bad value."""
     env = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
-    for var in VARS:
-        raw = env.get(var.name)
-        if raw is None and var.name in TORCH_FALLBACKS:
-            raw = env.get(TORCH_FALLBACKS[var.name])
-        if raw is None:
-            out[var.field] = var.default
-            continue
-        try:
-            out[var.field] = var.parse(raw)
-        except ValueError as e:
-            raise ValueError(f"myccl: environment variable {var.name}={raw!r} is invalid: {e}") from None
-    return out
+    return {var.field: _parse(var, env) for var in VARS}
+
+
+def value(name: str, environ: os._Environ | dict | None = None) -> Any:
+    """One variable's value (its default when unset), raising ValueError on a bad value. Reads
+    only that variable: a per-process variable's default needs no ``_C``."""
+    return _parse(BY_NAME[name], os.environ if environ is None else environ)
 
 
 def torch_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:
@@ -306,12 +351,13 @@ def torch_env(environ: os._Environ | dict | None = None) -> dict[str, Any]:
 
 def describe(environ: os._Environ | dict | None = None, all_vars: bool = False) -> list[tuple[str, str, str, str]]:
     """(name, value in effect, default, meaning) for every variable, values in the words users
-    write ("auto", "64K", "DETAIL"); testing knobs only when set (or with all_vars)."""
+    write ("auto", "64K", "DETAIL"); testing knobs and the launchers' variables only when set
+    (or with all_vars)."""
     env = os.environ if environ is None else environ
     values = parse_env(env)
     rows = []
     for var in VARS:
-        if not var.public and not all_vars and var.name not in env:
+        if (not var.public or var.set_by) and not all_vars and var.name not in env:
             continue
         shown = var.show(values[var.field]) + ("" if var.name in env else " (default)")
         rows.append((var.name, shown, var.show(var.default), var.meaning))
@@ -336,11 +382,38 @@ def markdown() -> str:
         "|---|---|---|---|",
     ]
     for var in VARS:
-        if not var.public:
+        if not var.public or var.set_by:
             continue
         field = f"`{var.field}`" if var.cpp else "(per process)"
-        meaning = var.meaning.replace("|", "\\|")
-        lines.append(f"| `{var.name}` | {field} | `{var.show(var.default)}` | {meaning} |")
+        lines.append(f"| `{var.name}` | {field} | `{var.show(var.default)}` | {_cell(var.meaning)} |")
     fallbacks = ", ".join(f"`{ours}` falls back to `{theirs}`" for ours, theirs in TORCH_FALLBACKS.items())
     lines += ["", f"Where ours is unset, torch's name for the same setting is read: {fallbacks}.", ""]
+    lines += [
+        "## Set by the launchers",
+        "",
+        "`c10d_ext.horovod.run` sets these for the processes it starts; they are not for users to set.",
+        "",
+        "| variable | set by | meaning |",
+        "|---|---|---|",
+    ]
+    for var in VARS:
+        if var.public and var.set_by:
+            lines.append(f"| `{var.name}` | {var.set_by} | {_cell(var.meaning)} |")
+    lines += [
+        "",
+        "## Build",
+        "",
+        "Read by `setup.py` (and `scripts/setup.sh`) when it builds `c10d_ext._C` (`pip install`,",
+        "`python setup.py build_ext`), not at run time.",
+        "",
+        "| variable | default | meaning |",
+        "|---|---|---|",
+    ]
+    for b in BUILD_VARS:
+        lines.append(f"| `{b.name}` | `{b.default}` | {_cell(b.meaning)} |")
+    lines.append("")
     return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")

@@ -123,3 +123,135 @@ def test_config_doc_is_current():
 
     with open(os.path.join(ROOT, "docs", "CONFIG.md")) as f:
         assert f.read() == config.markdown(), "docs/CONFIG.md is stale: run python scripts/gen_config_doc.py"
+
+
+# ---- one reader of the configuration -------------------------------------------------------------
+# Where MYCCL_* variables may be read: the package only through config.py; the build (setup.py,
+# scripts/) its BUILD_VARS; C++ never (it gets a parsed Config). The test suite's own knobs
+# (MYCCL_TEST_CUDA_DOUBLE*, MYCCL_TEST_CUDA_WORLD, MYCCL_SOAK_SECONDS, read under tests/) are not
+# the product's and are not scanned.
+_NAME = r"MYCCL_[A-Z0-9_]+"
+
+
+def _py_files(*parts):
+    import glob
+
+    out = []
+    for p in parts:
+        path = os.path.join(ROOT, p)
+        out += [path] if p.endswith(".py") else sorted(glob.glob(os.path.join(path, "**", "*.py"), recursive=True))
+    return out
+
+
+def _py_reads(path):
+    """(direct reads, reads through config.value, every whole MYCCL_* name) of a Python file. A
+    read is os.environ.get / os.getenv / env[...] / `in env` of a name, or of a module constant
+    holding one; a read through config is a call of a function named `value`."""
+    import ast
+    import re
+
+    tree = ast.parse(open(path).read(), path)
+    consts = {}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str) and re.fullmatch(_NAME, node.value.value)):
+            consts.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+
+    def name_of(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(_NAME, node.value):
+            return node.value
+        return consts.get(node.id) if isinstance(node, ast.Name) else None
+
+    direct, through, named = set(), set(), set(consts.values())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and name_of(node):
+            named.add(node.value)
+        elif isinstance(node, ast.keyword) and node.arg and re.fullmatch(_NAME, node.arg):
+            named.add(node.arg)  # dict(env, MYCCL_X=...): set for a child process
+        if isinstance(node, ast.Call) and node.args and name_of(node.args[0]):
+            fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if fn in ("get", "getenv"):
+                direct.add(name_of(node.args[0]))
+            elif fn == "value":
+                through.add(name_of(node.args[0]))
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and name_of(node.slice):
+            direct.add(name_of(node.slice))
+        elif (isinstance(node, ast.Compare) and name_of(node.left)
+              and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)):
+            direct.add(name_of(node.left))
+    return direct, through, named
+
+
+def test_the_package_reads_its_variables_through_config_only():
+    from c10d_ext import config
+
+    known = config.BY_NAME.keys() | {b.name for b in config.BUILD_VARS}
+    for path in _py_files("c10d_ext"):
+        rel = os.path.relpath(path, ROOT)
+        direct, through, named = _py_reads(path)
+        if rel != os.path.join("c10d_ext", "config.py"):
+            assert not direct, f"{rel} reads {sorted(direct)} itself: read them through c10d_ext.config.value"
+        unknown = (through | named) - known
+        assert not unknown, f"{rel} names {sorted(unknown)}, which c10d_ext/config.py's table lacks"
+
+
+def test_every_variable_read_anywhere_is_in_the_table():
+    import glob
+    import re
+
+    from c10d_ext import config
+
+    runtime, build = set(config.BY_NAME), {b.name for b in config.BUILD_VARS}
+    # Python outside the package: the build, its scripts, the benchmarks and examples.
+    for path in _py_files("setup.py", "build_sources.py", "scripts", "benchmarks", "examples"):
+        direct, through, _ = _py_reads(path)
+        rel = os.path.relpath(path, ROOT)
+        known = runtime | build if rel == "setup.py" or rel.startswith("scripts") else runtime
+        assert (direct | through) <= known, f"{rel} reads {sorted((direct | through) - known)}: not in config.py"
+    # Shell scripts and the Makefile: ${MYCCL_X} / $MYCCL_X.
+    for path in sorted(glob.glob(os.path.join(ROOT, "scripts", "*.sh"))) + [os.path.join(ROOT, "Makefile")]:
+        reads = set(re.findall(r"\$\{?(" + _NAME + ")", open(path).read()))
+        assert reads <= runtime | build, f"{os.path.relpath(path, ROOT)} reads {sorted(reads - runtime - build)}"
+    # C++ never reads the environment: it gets a parsed Config (Config.hpp).
+    cpp = []
+    for path in glob.glob(os.path.join(ROOT, "src", "**", "*.[ch]pp"), recursive=True) + \
+            glob.glob(os.path.join(ROOT, "include", "**", "*.hpp"), recursive=True):
+        cpp += [(os.path.relpath(path, ROOT), n) for n in
+                re.findall(r"getenv\s*\(\s*\"(" + _NAME + ")\"", open(path).read())]
+    assert not [c for c in cpp if c[1] not in runtime], f"C++ reads variables config.py lacks: {cpp}"
+    assert not cpp, f"C++ reads the environment itself (it gets a parsed Config): {cpp}"
+    # setup.py's reads are exactly the build section's.
+    direct, _, _ = _py_reads(os.path.join(ROOT, "setup.py"))
+    assert direct == build, (sorted(direct), sorted(build))
+
+
+def test_the_scan_sees_reads(tmp_path):
+    """The scan itself: each form of a read is found (else the tests above would pass vacuously)."""
+    src = tmp_path / "m.py"
+    src.write_text('import os\nK = "MYCCL_A"\nos.environ.get(K)\nos.getenv("MYCCL_B")\nos.environ["MYCCL_C"]\n'
+                   '"MYCCL_D" in os.environ\nconfig.value("MYCCL_E")\ndict(MYCCL_F=1)\nos.environ["MYCCL_G"] = "1"\n'
+                   'print("set MYCCL_H=1")\n')
+    direct, through, named = _py_reads(str(src))
+    assert direct == {"MYCCL_A", "MYCCL_B", "MYCCL_C", "MYCCL_D"}
+    assert through == {"MYCCL_E"}
+    assert named == {"MYCCL_A", "MYCCL_B", "MYCCL_C", "MYCCL_D", "MYCCL_E", "MYCCL_F", "MYCCL_G"}
+
+
+def test_launcher_variables_are_read_without_the_package(tmp_path):
+    """The Horovod launcher's worker wrapper runs horovod/run.py as a file: it reads its variables
+    through config.py loaded from its file, and takes its rank table and output tag from them."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['run.py']\n"
+            f"g = runpy.run_path({os.path.join(ROOT, 'c10d_ext', 'horovod', 'run.py')!r}, run_name='not_main')\n"
+            "print(g['slot_env']({'MYCCL_HVD_SLOTS': '3,4,1,2,0,2;5,4,1,2,1,2', 'LOCAL_RANK': '0'}))\n"
+            "print(g['_config']().value('MYCCL_HVD_TAG'))\n"
+            "print('torch' in sys.modules, 'c10d_ext' in sys.modules)\n")
+    env = dict(os.environ, MYCCL_HVD_TAG="7")
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = res.stdout.splitlines()
+    assert rows[0] == str({"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
+                           "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "2"})
+    assert rows[1:] == ["7", "False False"]

@@ -57,6 +57,26 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TAG = re.compile(rb"\[(\d+)\]<(stdout|stderr)>:")
 
 
+def _config():
+    """c10d_ext.config, the reader of every MYCCL_* variable. Run as a file (--_agent, --_worker)
+    this module has no package: config.py is then loaded from its file, without importing
+    c10d_ext (and torch) into the worker wrapper."""
+    if __package__:
+        from .. import config
+
+        return config
+    mod = sys.modules.get("_c10d_ext_config")
+    if mod is None:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config.py")
+        spec = importlib.util.spec_from_file_location("_c10d_ext_config", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # (dataclasses look their module up while the class is made)
+        spec.loader.exec_module(mod)
+    return mod
+
+
 # ----------------------------------------------------------------------------------- launching
 def is_local_host(name: str) -> bool:
     """Whether `name` is this machine: a loopback name, our host name, or an address of ours."""
@@ -110,9 +130,7 @@ def _exportable(env: dict) -> dict:
 
 def remote_argv(host: str, command_line: str, ssh_port=None, ssh_identity_file=None) -> list:
     """The argv that runs the shell command line `command_line` on `host`."""
-    from ..config import parse_env
-
-    template = parse_env()["hvd_rsh"]
+    template = _config().value(RSH_ENV)
     if template:
         words = [w.replace("{host}", host) for w in shlex.split(template)]
         if "{command}" in words:
@@ -140,7 +158,7 @@ def encode_slots(host_slots) -> str:
 def slot_env(env) -> dict:
     """horovodrun's per-worker variables for the worker whose torch agent variables are in `env`
     (its position on the host is LOCAL_RANK); {} without a rank table."""
-    table = env.get(SLOTS_ENV)
+    table = _config().value(SLOTS_ENV, env)
     if not table:
         return {}
     rows = [row.split(",") for row in table.split(";")]
@@ -419,7 +437,7 @@ def _worker_main(argv) -> int:
     timestamp = bool(argv) and argv[0] == "--timestamp"
     argv = argv[1:] if timestamp else argv
     argv = argv[1:] if argv and argv[0] == "--" else argv
-    rank = (os.environ.get("MYCCL_HVD_TAG") or os.environ.get("RANK", "0")).encode()  # (elastic: its first rank)
+    rank = (_config().value("MYCCL_HVD_TAG") or os.environ.get("RANK", "0")).encode()  # (elastic: its first rank)
     env = dict(os.environ, **slot_env(os.environ))
     env.pop(SLOTS_ENV, None)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

@@ -36,6 +36,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ... import config
 from ..basics import STATE, _rendezvous, _timeout
 from ..exceptions import HorovodInternalError
 
@@ -74,7 +75,7 @@ def join_running_job() -> None:
     STATE.job_store = dist.TCPStore(addr, port, is_master=False, timeout=_timeout())
     store = _elastic_store()
     me = store.add("joiners", 1)  # 1, 2, ... in the order joiners came
-    store.set(f"who/{me}", os.environ.get("MYCCL_HVD_WORKER_ID", ""))  # the elastic launcher's name for it
+    store.set(f"who/{me}", config.value("MYCCL_HVD_WORKER_ID"))  # the elastic launcher's name for it
     store.add("changes", 1)  # (after its keys: rank 0 reads them when it sees the count move)
     gen, members = json.loads(store.get(f"admit/{me}"))  # waits for the job's next commit
     make_world(gen, members, f"j{me}")
@@ -86,7 +87,7 @@ _seen = [-1]  # the "changes" count this process's last admit() saw (a hint: the
 def publish_member() -> None:
     """Names this process (the elastic launcher's worker id) under its rank, for rank 0's
     admissions; called at every init, before its first collective."""
-    wid = os.environ.get("MYCCL_HVD_WORKER_ID")
+    wid = config.value("MYCCL_HVD_WORKER_ID")
     if wid and STATE.job_store is not None and STATE.made_default:
         _elastic_store().set(f"member/{STATE.rank}", wid)
 
@@ -148,7 +149,7 @@ def _leave() -> None:
     """This process is not in the job's new generation: its host left the elastic launcher's
     discovery. It ends here, cleanly (Horovod's worker fails its reset with the same words)."""
     host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
-    wid = os.environ.get("MYCCL_HVD_WORKER_ID", "")
+    wid = config.value("MYCCL_HVD_WORKER_ID")
     print(f"Horovod: {host} ({wid or 'this worker'}) has been removed from elastic job; exiting", file=sys.stderr,
           flush=True)
     raise SystemExit(0)
