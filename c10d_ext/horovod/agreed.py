@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from .. import _C as _ext
-from . import controller as C
+from . import timeline
 from .basics import STATE
 from .exceptions import DUPLICATE_NAME, SHUT_DOWN, HorovodInternalError
 from .execute import ALONE_BYTES, _scale
+from .records import ALLREDUCE, HANDLES, SLOTS, Handle, Request
 
 # Horovod's op codes the agreed op takes (Average is a sum, scaled after) and the dtypes every one
 # of them reduces on the CPU engine.
@@ -51,7 +52,7 @@ def _signed(k: int) -> int:
     return k - (1 << 64) if k >= 1 << 63 else k
 
 
-def key_of(r: C.Request) -> int:
+def key_of(r: Request) -> int:
     """A nonzero signed 64-bit key of one request's name and everything that must agree."""
     return _signed(r.nhash * 0x9E3779B97F4A7C15 ^ r.sighash)
 
@@ -64,11 +65,11 @@ def _post_scale(ctrl, op: int, post: float) -> float:
     return post / ctrl.size if op == 0 else post  # Average: the sum over the set's size
 
 
-def offer(ctrl, r: C.Request | None) -> bool:
+def offer(ctrl, r: Request | None) -> bool:
     """Opens a queued cycle: offers `r` (None: nothing). True when every member offered the same
     and `r` is done; False (on every member) when anything differed and nothing moved."""
     buf, key, op = ctrl.no_offer, 0, dist.ReduceOp.SUM
-    if (r is not None and r.kind == C.ALLREDUCE and r.pre == 1.0 and r.op in OPS and _eligible(r.tensor)
+    if (r is not None and r.kind == ALLREDUCE and r.pre == 1.0 and r.op in OPS and _eligible(r.tensor)
             and r.tensor.nbytes <= AGREE_BYTES):
         # (a new tensor where not in place: Horovod's results are never views)
         buf = r.tensor if r.output is r.tensor else r.tensor.clone()
@@ -92,7 +93,7 @@ def _key_one(name: str, t: torch.Tensor, op: int, post: float) -> int:
     sig = (name, op, post, t.dtype, t.shape)
     k = _KEYS.get(sig)
     if k is None:
-        k = _remember(sig, key_of(C.Request(C.ALLREDUCE, name, t, op=op, post=post)))
+        k = _remember(sig, key_of(Request(ALLREDUCE, name, t, op=op, post=post)))
     return k
 
 
@@ -118,7 +119,7 @@ def _remember(sig, k: int) -> int:
 def can_offer(tensors, op: int, pre: float) -> bool:
     """Whether a synchronous allreduce of `tensors` may take allreduce_now (the caller checks
     before anything else, so that what it cannot take meets the queued path's errors first)."""
-    if pre != 1.0 or op not in OPS or not tensors or C.TIMELINE[0] is not None:
+    if pre != 1.0 or op not in OPS or not tensors or timeline.ACTIVE[0] is not None:
         return False
     # several: the op checks them (in C++, before anything moves) and returns None if it can't
     return len(tensors) > 1 or _eligible(tensors[0])
@@ -204,7 +205,7 @@ def _negotiate_now(ctrl, ops: list, tl=None) -> None:
     into this cycle's negotiation, exactly as a queued cycle goes on after the agreed op said no."""
     reqs = []
     for d in ops:  # its requests complete one by one
-        d.reqs = [C.Request(C.ALLREDUCE, nm, t, t if d.inplace else None, op=d.op, post=d.post)
+        d.reqs = [Request(ALLREDUCE, nm, t, t if d.inplace else None, op=d.op, post=d.post)
                   for nm, t in zip(d.names, d.tensors)]
         d.remaining = len(d.reqs)
         for r in d.reqs:
@@ -217,8 +218,8 @@ def _negotiate_now(ctrl, ops: list, tl=None) -> None:
         for r in reqs:
             ctrl.in_flight[r.name] = r
         ctrl.queue[:0] = reqs
-        batch = ctrl.queue[:C.SLOTS]
-        del ctrl.queue[:C.SLOTS]
+        batch = ctrl.queue[:SLOTS]
+        del ctrl.queue[:SLOTS]
         more = bool(ctrl.queue)
     for r in batch:  # from here a failure of the set completes them with its error
         ctrl.mine[r.nhash] = r
@@ -242,7 +243,7 @@ DONE, FAILED, HANDED = 2, 3, 4  # a held list's states from which it is over
 OWNERS: dict = {}  # set id -> its controller, for a list's waiters
 
 
-class Deferred(C.Handle):
+class Deferred(Handle):
     """An allreduce (or grouped allreduce) whose agreed step said no, going on into the
     negotiation as a handle of requests: the ops of a held list that differed between the ranks,
     or a synchronous allreduce that did (allreduce_now)."""
@@ -261,7 +262,7 @@ class Deferred(C.Handle):
 
 
 def can_defer(tensors, op: int, pre: float) -> bool:
-    return pre == 1.0 and op in OPS and C.TIMELINE[0] is None
+    return pre == 1.0 and op in OPS and timeline.ACTIVE[0] is None
 
 
 def defer(ctrl, tensors: list, inplace: bool, names: tuple, op: int, post: float, single: bool, timed: bool,
@@ -312,7 +313,7 @@ def flush(ctrl, lst) -> None:
     """Runs a pending list as one cycle (its caller holds the set's cycle): one agreed step of all
     its tensors, or, when the members' lists differ, the negotiation of their requests."""
     op, post = lst.op, lst.post
-    tl = C.TIMELINE[0] if STATE.rank == 0 else None
+    tl = timeline.ACTIVE[0] if STATE.rank == 0 else None
     try:
         got = -1  # 1 done, 0 the members' lists differed, -1 nothing ran
         if tl is None and ctrl.size > 1 and not ctrl.agreed_ok:
@@ -351,13 +352,11 @@ def _handoff(ctrl, lst, tensors, inplace, names, op, post, tl) -> None:
     """The members' lists differed: each op of `lst` becomes a Deferred under its handle number
     (registered before the list lets go of it, so a waiter always finds one of the two) and goes
     into this cycle's negotiation."""
-    from . import handles
-
     ops = []
     for h, first, count, single in lst.ops():
         d = Deferred(ctrl, threading.Event(), tensors[first:first + count], inplace[first],
                      names[first:first + count], op, post, single)
-        handles._handles[h] = d
+        HANDLES[h] = d
         ops.append(d)
     lst.handoff()
     _negotiate_now(ctrl, ops, tl)

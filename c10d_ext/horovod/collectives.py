@@ -1,18 +1,20 @@
 """Horovod's data-movement ops on myccl: allgather, broadcast, alltoall and reducescatter (and
 their grouped forms), each synchronous, asynchronous and with autograd as ``horovod.torch`` has
-them. The allreduce family, join and barrier are in ``mpi_ops``, which exports all of them."""
+them. The allreduce family is in ``allreduce`` (their gradients use it), join and barrier in
+``mpi_ops``, which exports all of them."""
 
 from __future__ import annotations
 
 import torch
 
-from . import controller as C
+from .allreduce import allreduce, grouped_allreduce
 from .basics import rank
 from .compression import Compression
 from .exceptions import HorovodInternalError
 from .handles import (_MOVE_TYPES, _REDUCE_TYPES, Average, Sum, _check_tensor, _entry, _name, _next_handle,
                       _same_device, _submit, _sync, synchronize)
 from .process_sets import global_process_set
+from .records import ALLGATHER, ALLTOALL, BROADCAST, REDUCESCATTER, Request
 
 
 # ---- allgather --------------------------------------------------------------------------------
@@ -22,7 +24,7 @@ def _allgather_requests(tensors, prefix, name, process_set):
     base = _name(prefix, name, h)
     n = len(tensors)
     names = [base] if prefix == "allgather" else [f"{base}_{i + 1}of{n}" for i in range(n)]
-    return entry, [C.Request(C.ALLGATHER, nm, t) for nm, t in zip(names, tensors)], h
+    return entry, [Request(ALLGATHER, nm, t) for nm, t in zip(names, tensors)], h
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
@@ -41,8 +43,6 @@ class HorovodAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        from .mpi_ops import allreduce
-
         grad_reduced = allreduce(grad_output, average=True, process_set=ctx.process_set)
         dims = allgather(torch.tensor([ctx.dim], dtype=torch.int32), process_set=ctx.process_set)
         offset = int(dims[:ctx.process_set.rank()].sum().item())
@@ -70,8 +70,6 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_output):
-        from .mpi_ops import grouped_allreduce
-
         reduced = grouped_allreduce(list(grad_output), average=True, process_set=ctx.process_set)
         dims = grouped_allgather([torch.tensor([d], dtype=torch.int32) for d in ctx.dims],
                                  process_set=ctx.process_set)
@@ -91,7 +89,7 @@ def _broadcast_async(tensor, output, root_rank, name, process_set):
     if root_rank not in entry.ranks:
         raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set")
     h = _next_handle()
-    req = C.Request(C.BROADCAST, _name("broadcast", name, h), tensor, output, root=root_rank)
+    req = Request(BROADCAST, _name("broadcast", name, h), tensor, output, root=root_rank)
     return _submit(entry, [req], lambda: output, h)
 
 
@@ -117,8 +115,6 @@ class HorovodBroadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        from .mpi_ops import allreduce
-
         grad_reduced = allreduce(grad_output, average=True, process_set=ctx.process_set)
         if rank() != ctx.root_rank:
             grad_reduced *= 0
@@ -157,7 +153,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
             raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
         out_device = splits.device
     h = _next_handle()
-    req = C.Request(C.ALLTOALL, _name("alltoall", name, h), tensor, splits=send)
+    req = Request(ALLTOALL, _name("alltoall", name, h), tensor, splits=send)
 
     def finish():
         out, recv = req.result
@@ -202,7 +198,7 @@ def _reducescatter_requests(tensors, prefix, name, op, pre, post, process_set):
     base = _name(prefix, name, h)
     n = len(tensors)
     names = [base] if prefix == "reducescatter" else [f"{base}_{i + 1}of{n}" for i in range(n)]
-    return entry, [C.Request(C.REDUCESCATTER, nm, t, pre=pre, post=post) for nm, t in zip(names, tensors)], h
+    return entry, [Request(REDUCESCATTER, nm, t, pre=pre, post=post) for nm, t in zip(names, tensors)], h
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,

@@ -14,157 +14,31 @@ wait on a peer, a member cycles at most once per HOROVOD_CYCLE_TIME.
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 import logging
 import math
 import os
-import struct
 import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from .. import _C as _ext
-from . import agreed
+from . import agreed, execute, timeline
 from .basics import STATE
-from .exceptions import SHUT_DOWN, HorovodInternalError
+from .exceptions import DUPLICATE_NAME, SHUT_DOWN, HorovodInternalError
+from .records import (BARRIER, FIELDS, HEADER, JOIN, JOIN_UNSUPPORTED, LEAVING, MORE, SLOTS, STALLED, Handle,
+                      Request)
 from .stall import StallInspector
-from .streams import SetStreams, engine_device
+from .streams import SetStreams
 from ._torch import all_gather_single
 
 log = logging.getLogger("c10d_ext.horovod")
 
-ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ADASUM, ALLTOALL, BARRIER, REDUCESCATTER = range(8)
-KIND_NAMES = ["ALLREDUCE", "ALLGATHER", "BROADCAST", "JOIN", "ADASUM", "ALLTOALL", "BARRIER", "REDUCESCATTER"]
-
-DTYPES = [torch.uint8, torch.int8, torch.uint16, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.float32, torch.float64, torch.bool, torch.bfloat16]
-DTYPE_NAMES = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32",
-               "float64", "bool", "bfloat16"]
-DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
-
-SLOTS = 64  # requests a member announces per cycle (more go in the next, at once)
-FIELDS = 8  # int64 per record
-HEADER = 3  # count, flags, the key of the pending list the member runs in this cycle (agreed.flush)
-MORE, STALLED, LEAVING = 2, 4, 8  # header flags: more queued, a stall past the shutdown time, shutting down
 # An idle member still cycles this often (Horovod's background loop cycles on idle ranks too), so
 # a member busy outside Horovod (evaluation, a checkpoint) never leaves a peer's cycle waiting
 # on it past the group's timeout; the stall inspector warns of what waits instead.
 HEARTBEAT_SECONDS = 1.0
-
-
-_HASHES: dict = {}  # names and signatures repeat every step: hash each once
-
-
-def _h64(text: str) -> int:
-    h = _HASHES.get(text)
-    if h is None:
-        if len(_HASHES) > 1 << 16:
-            _HASHES.clear()
-        h = _HASHES[text] = struct.unpack("<q", hashlib.blake2b(text.encode(), digest_size=8).digest())[0]
-    return h
-
-
-def _fbits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def _bitsf(b: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", int(b)))[0]
-
-
-_SIGS: dict = {}
-
-
-class Request:
-    """One tensor of one op on this rank. ``desc`` is what must agree across ranks (printed in
-    mismatch errors); ``rows`` the first dimension where ranks may differ (allgather, alltoall)."""
-
-    __slots__ = ("kind", "name", "nhash", "tensor", "output", "op", "pre", "post", "root",
-                 "splits", "handle", "desc", "sighash", "rows", "rowsize", "result",
-                 "cuda_event", "is_cuda", "dtype", "device")
-
-    def __init__(self, kind, name, tensor, output=None, op=0, pre=1.0, post=1.0, root=-1, splits=None):
-        self.kind, self.name, self.tensor, self.output = kind, name, tensor, output
-        self.op, self.pre, self.post, self.root, self.splits = op, pre, post, root, splits
-        self.nhash = _h64(name)
-        self.handle = None
-        self.result = None
-        self.cuda_event = None
-        if tensor is None:  # join, barrier
-            self.dtype, self.device, shape = None, -1, ()
-        else:  # device: the CUDA engine's device index that takes the tensor, -1 for the CPU engine
-            self.dtype, self.device, shape = tensor.dtype, engine_device(tensor), tuple(tensor.shape)
-        self.is_cuda = self.device >= 0
-        self.rows = shape[0] if shape else 0
-        self.rowsize = 1
-        for d in shape[1:]:
-            self.rowsize *= d
-        varies = kind in (ALLGATHER, ALLTOALL)
-        self.desc = (KIND_NAMES[kind], DTYPE_NAMES[DTYPE_CODE[self.dtype]] if self.dtype is not None else "",
-                     "GPU" if self.is_cuda else "CPU", shape, float(pre), float(post), int(op), int(root))
-        sig = (kind, self.desc[1], self.is_cuda, (len(shape), shape[1:]) if varies else shape, self.desc[4],
-               self.desc[5], self.desc[6], self.desc[7])
-        h = _SIGS.get(sig)
-        if h is None:
-            if len(_SIGS) > 1 << 16:
-                _SIGS.clear()
-            h = _SIGS[sig] = _h64(repr(sig))
-        self.sighash = h
-
-    def record(self) -> list[int]:
-        ndim = self.tensor.dim() if self.tensor is not None else 0
-        code = (self.kind | (DTYPE_CODE.get(self.dtype, 0) << 8) | (int(self.is_cuda) << 16) | (self.op << 20)
-                | (min(ndim, 255) << 24))
-        numel = self.tensor.numel() if self.tensor is not None else 0
-        return [self.nhash, self.sighash, code, numel, self.rows, _fbits(self.pre), _fbits(self.post), self.root]
-
-
-class Handle:
-    """What an async op returns a number for: done when every request of the op is."""
-
-    __slots__ = ("remaining", "error", "event", "finish", "cuda_event", "ctrl", "device", "staged")
-
-    def __init__(self, parts: list[Request], finish):
-        self.remaining = len(parts)
-        self.error = None
-        self.event = threading.Event()
-        self.finish = finish  # () -> the value synchronize returns
-        self.cuda_event = None  # the done event of a CUDA op (streams.py)
-        self.device = -1
-        self.staged: list = []  # results the layer allocated on a set's stream
-        self.ctrl = None
-        for r in parts:
-            r.handle = self
-
-    def fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
-        self.remaining = 0
-        self.event.set()
-
-    def part_done(self, req: Request, error: BaseException | None = None) -> None:
-        if error is not None and self.error is None:
-            self.error = error
-        if req.cuda_event is not None:
-            self.cuda_event, self.device = req.cuda_event, req.device
-            res = req.result
-            if res is not None:
-                self.staged.extend(res if isinstance(res, tuple) else (res,))
-        self.remaining -= 1
-        if self.remaining <= 0:
-            self.event.set()
-
-
-# What Horovod's coordinator answers an op of these kinds while a rank has joined.
-JOIN_UNSUPPORTED = {
-    ALLGATHER: "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if using DistributedOptimizer",
-    ALLTOALL: "Alltoall is not supported with Join at this time.",
-    BROADCAST: "Broadcast is not supported with Join at this time.",
-    REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
-}
 
 
 def _kind_of(entry) -> int:
@@ -262,8 +136,6 @@ class SetController(threading.Thread):
             held = self.held
             for r in requests:
                 if r.kind not in (JOIN, BARRIER) and (r.name in self.in_flight or held.holds(r.name)):
-                    from .exceptions import DUPLICATE_NAME
-
                     raise ValueError(DUPLICATE_NAME)
             held.accepting = False  # until the queue is empty again (step)
             for r in requests:
@@ -298,7 +170,7 @@ class SetController(threading.Thread):
         lists then agree through that op, else through the negotiation's message). Called with
         the cond held."""
         self.held.accepting = ((self.agreed_ok is not None or self.size == 1) and self.failed is None and not self.stopping
-                               and TIMELINE[0] is None
+                               and timeline.ACTIVE[0] is None
                                and not (self.queue or self.mine or self.table or self.join_req is not None
                                         or self.joined))
 
@@ -408,7 +280,7 @@ class SetController(threading.Thread):
             self.fail_with(e)
             return False
 
-    def drive(self, handle: "Handle") -> None:
+    def drive(self, handle: Handle) -> None:
         """Waits for `handle`, running cycles on this (the caller's) thread while the set's own
         thread is not running one."""
         self._drive(handle.event.is_set, handle.event.wait)
@@ -462,7 +334,7 @@ class SetController(threading.Thread):
         self.last_beat = time.monotonic()
         if not beat:
             self.last_cycle = self.last_beat
-        tl = TIMELINE[0] if STATE.rank == 0 else None
+        tl = timeline.ACTIVE[0] if STATE.rank == 0 else None
         if tl is not None:
             tl.mark_cycle_start()
         joining = self.join_req is not None and self.me not in self.joined
@@ -549,8 +421,6 @@ class SetController(threading.Thread):
         for h, _ in ready:
             del self.table[h]
         if ready:
-            from . import execute
-
             execute.run(self, ready, tl)
         if self.joined and len(self.joined) == self.size:
             self._finish_join()
@@ -596,13 +466,12 @@ class SetController(threading.Thread):
 
 _CONTROLLERS: dict[int, SetController] = {}
 THREAD_INIT: list = []  # callables each controller thread runs first (the CUDA double's tests)
-TIMELINE: list = [None]  # the Timeline rank 0 writes, when one is on (mpi_ops.start_timeline)
 
 
 def set_timeline(tl) -> None:
     """Turns the timeline on (a Timeline) or off (None). While it is on, no set holds ops
     (agreed.py): each op is a request, so that the timeline shows it."""
-    TIMELINE[0] = tl
+    timeline.ACTIVE[0] = tl
     for c in list(_CONTROLLERS.values()):
         with c.cond:
             c._reopen()
@@ -617,10 +486,9 @@ def start_set(entry) -> None:
     c.start()
 
 
-def start_all() -> None:
-    from .process_sets import _TABLE
-
-    for entry in _TABLE.values():
+def start_all(entries) -> None:
+    """Starts the thread of every set of `entries` (process_sets' table) this rank is in."""
+    for entry in entries:
         start_set(entry)
 
 
@@ -654,11 +522,11 @@ def stop_set(entry, grace: float = 5.0) -> bool:
     return c.failed is not None and getattr(c.failed, "peer_lost", True)
 
 
-def stop_all() -> bool:
-    from .process_sets import _TABLE
-
+def stop_all(entries) -> bool:
+    """Stops the threads of the sets of `entries`, the newest first; returns whether any had
+    failed (a lost or broken peer)."""
     failed = False
-    for entry in sorted(_TABLE.values(), key=lambda e: -e.id):
+    for entry in sorted(entries, key=lambda e: -e.id):
         failed = stop_set(entry) or failed
     return failed
 

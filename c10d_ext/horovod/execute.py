@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import controller as C
+from . import records as R
 from .exceptions import HorovodInternalError
 from ._torch import all_gather_single, reduce_scatter_single
 from .streams import OnStream
 
 _REDUCE = {1: dist.ReduceOp.SUM, 3: dist.ReduceOp.MIN, 4: dist.ReduceOp.MAX, 5: dist.ReduceOp.PRODUCT}
-_FUSABLE = (C.ALLREDUCE, C.ADASUM, C.ALLGATHER)
+_FUSABLE = (R.ALLREDUCE, R.ADASUM, R.ALLGATHER)
 
 
 def _kind(rec) -> int:
@@ -22,7 +22,7 @@ def _kind(rec) -> int:
 
 
 def _dtype(rec) -> torch.dtype:
-    return C.DTYPES[(rec[2] >> 8) & 0xFF]
+    return R.DTYPES[(rec[2] >> 8) & 0xFF]
 
 
 def _on_cuda(rec) -> bool:
@@ -106,10 +106,10 @@ def run(ctrl, ready: list, tl) -> None:
             responses.append([kind, h, recs, None])
             continue
         err = None
-        if ctrl.joined and kind in C.JOIN_UNSUPPORTED:
-            err = C.JOIN_UNSUPPORTED[kind]
-        elif kind in (C.ALLGATHER, C.ALLTOALL) and _ndim(recs[min(recs)]) == 0:
-            err = f"Process-set rank zero tried to {C.KIND_NAMES[kind]} a rank-zero tensor."
+        if ctrl.joined and kind in R.JOIN_UNSUPPORTED:
+            err = R.JOIN_UNSUPPORTED[kind]
+        elif kind in (R.ALLGATHER, R.ALLTOALL) and _ndim(recs[min(recs)]) == 0:
+            err = f"Process-set rank zero tried to {R.KIND_NAMES[kind]} a rank-zero tensor."
         responses.append([kind, h, recs, err])
     if mismatched:
         _explain(ctrl, responses, mismatched)
@@ -133,7 +133,7 @@ def _nbytes(resp) -> int:
     kind, _, recs, _ = resp
     first = recs[min(recs)]
     item = _dtype(first).itemsize
-    if kind == C.ALLGATHER:
+    if kind == R.ALLGATHER:
         rowsize = first[3] // first[4] if first[4] else 0
         return item * rowsize * sum(r[4] for r in recs.values())
     return item * first[3]
@@ -177,7 +177,7 @@ def _fuse(ctrl, responses):
 
 
 def _alone(kind: int, nbytes: int) -> bool:
-    return kind in (C.ALLREDUCE, C.ADASUM) and nbytes >= ALONE_BYTES
+    return kind in (R.ALLREDUCE, R.ADASUM) and nbytes >= ALONE_BYTES
 
 
 def _scale(t: torch.Tensor, factor: float) -> None:
@@ -201,7 +201,7 @@ def _execute(ctrl, bucket, tl) -> None:
     if tl is not None:
         for n in names:
             tl.negotiate_end(n)
-            tl.start(n, C.KIND_NAMES[kind])
+            tl.start(n, R.KIND_NAMES[kind])
     dev = next((r.device for r in reqs if r is not None and r.is_cuda), -1)
     if dev < 0 and ctrl.join_device >= 0 and _on_cuda(bucket[0][2][min(bucket[0][2])]):
         dev = ctrl.join_device  # a joined rank's zeros for the others' CUDA allreduce
@@ -227,7 +227,7 @@ def _execute(ctrl, bucket, tl) -> None:
             out = r.result if r.result is not None else r.output
             out = out[0] if isinstance(out, tuple) else out
             shape = list(out.shape) if out is not None else list(r.tensor.shape)
-            tl.end(r.name, C.DTYPE_NAMES[C.DTYPE_CODE[r.dtype]], shape)
+            tl.end(r.name, R.DTYPE_NAMES[R.DTYPE_CODE[r.dtype]], shape)
         ctrl.complete(r)
 
 
@@ -238,15 +238,15 @@ def _new_cpu(shape, like: torch.Tensor) -> torch.Tensor:
 def _run(ctrl, kind, bucket, reqs, new) -> None:
     """`new(shape, like)`: where results and staging buffers are allocated (on CUDA, on the
     set's stream)."""
-    if kind in (C.ALLREDUCE, C.ADASUM):
+    if kind in (R.ALLREDUCE, R.ADASUM):
         _allreduce(ctrl, bucket, reqs, new)
-    elif kind == C.ALLGATHER:
+    elif kind == R.ALLGATHER:
         _allgather(ctrl, bucket, reqs, new)
-    elif kind == C.BROADCAST:
+    elif kind == R.BROADCAST:
         _broadcast(ctrl, reqs[0])
-    elif kind == C.ALLTOALL:
+    elif kind == R.ALLTOALL:
         _alltoall(ctrl, reqs[0], new)
-    elif kind == C.REDUCESCATTER:
+    elif kind == R.REDUCESCATTER:
         _reducescatter(ctrl, bucket[0], reqs[0], new)
 
 
@@ -257,9 +257,9 @@ def _joined_zeros(rec, new) -> torch.Tensor:
 
 def _allreduce(ctrl, bucket, reqs, new) -> None:
     first = bucket[0][2][min(bucket[0][2])]
-    op, pre, post = _op(first), C._bitsf(first[5]), C._bitsf(first[6])
+    op, pre, post = _op(first), R._bitsf(first[5]), R._bitsf(first[6])
     kind = bucket[0][0]
-    if kind == C.ALLREDUCE and op == 0:  # Average: the sum times postscale / set size
+    if kind == R.ALLREDUCE and op == 0:  # Average: the sum times postscale / set size
         post = post / ctrl.size
     # The buffer the collective runs on: the tensor itself (in place) or a new tensor that is the
     # result (Horovod returns new tensors, never views); a fused buffer for several, copied out
@@ -299,7 +299,7 @@ def _allreduce(ctrl, bucket, reqs, new) -> None:
 
 def _reduce(ctrl, buf, sizes, kind, op, pre, post) -> None:
     _scale(buf, pre)
-    if kind == C.ADASUM:
+    if kind == R.ADASUM:
         from .adasum import adasum_allreduce_
 
         adasum_allreduce_(buf, sizes, ctrl.group, ctrl.entry.ranks)
@@ -378,7 +378,7 @@ def _reducescatter(ctrl, resp, r, new) -> None:
     splits go through one padded reduce_scatter (every block one row longer)."""
     size = ctrl.size
     first = resp[2][min(resp[2])]
-    pre, post = C._bitsf(first[5]), C._bitsf(first[6])
+    pre, post = R._bitsf(first[5]), R._bitsf(first[6])
     t = r.tensor
     rest = tuple(t.shape[1:])
     d, extra = divmod(t.shape[0], size)

@@ -14,13 +14,14 @@ from . import agreed, controller as C, streams
 from .basics import STATE
 from .exceptions import NOT_INITIALIZED, HorovodInternalError
 from .process_sets import _lookup
+from .records import HANDLES, Handle
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 
 _REDUCE_TYPES = {torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.bfloat16}
 _MOVE_TYPES = _REDUCE_TYPES | {torch.uint8, torch.int8, torch.int16}
 
-_handles: dict[int, C.Handle] = {}  # the handles of ops not held (agreed.py holds the others)
+_handles = HANDLES  # the handles of ops not held (agreed.py holds the others)
 _local = threading.local()  # .sync: inside a synchronous op, whose caller drives the cycles
 _handles_lock = threading.Lock()
 _held_result, _held_poll, _HeldList = _ext._hvd_result, _ext._hvd_poll, _ext._HeldList
@@ -63,7 +64,7 @@ def synchronize(handle: int):
         _handles.pop(handle, None)  # one dict operation: atomic, no lock needed
 
 
-def _wait(h: C.Handle):
+def _wait(h: Handle):
     if not h.event.is_set():  # (is_set costs a fraction of wait: most handles are done by now)
         if h.ctrl is not None:
             h.ctrl.drive(h)
@@ -75,7 +76,7 @@ def _wait(h: C.Handle):
         streams.consume(h.device, h.cuda_event, h.staged)
         h.staged = []  # the caller owns the results now
     finish = h.finish
-    if type(h) is C.Handle:  # its requests point at it: no cycle may keep the results alive
+    if type(h) is Handle:  # its requests point at it: no cycle may keep the results alive
         h.finish = None
     return finish()
 
@@ -115,7 +116,7 @@ def _submit(entry, reqs, finish, h: int) -> int:
         if r.is_cuda:  # Horovod's ready event: the data work waits for the producer's stream
             r.cuda_event = streams.ready_event(r.device)
             ctrl.streams.note(r.device)
-    handle = C.Handle(reqs, finish)
+    handle = Handle(reqs, finish)
     handle.ctrl = ctrl
     ctrl.submit(reqs, wake=not getattr(_local, "sync", False))
     _handles[h] = handle

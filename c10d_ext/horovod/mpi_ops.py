@@ -11,26 +11,29 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C as _ext
-from . import agreed, basics, controller as C
+from . import controller as C, lifecycle, timeline
+from .allreduce import (HorovodAllreduce, HorovodGroupedAllreduce, _allreduce_async,  # noqa: F401
+                        _grouped_allreduce_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
+                        grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_)
 from .basics import (STATE, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,  # noqa: F401
                      gloo_enabled, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, size)
-from .compression import Compression
-from .exceptions import NOT_INITIALIZED, HorovodInternalError
-from .handles import (_REDUCE_TYPES, Adasum, Average, Max, Min, Product, Sum, _average_compat,  # noqa: F401
-                      _check_tensor, _entry, _handles, _handles_lock, _name, _next_handle, _same_device, _submit,
-                      _sync, _wait, poll, reset_handles, synchronize)
+from .collectives import (HorovodAllgather, HorovodAlltoall, HorovodBroadcast,  # noqa: F401
+                          HorovodGroupedAllgather, HorovodGroupedReducescatter, HorovodReducescatter,
+                          allgather, allgather_async, alltoall, alltoall_async, broadcast, broadcast_,
+                          broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+                          grouped_reducescatter, grouped_reducescatter_async, reducescatter,
+                          reducescatter_async)
+from .exceptions import NOT_INITIALIZED
+from .handles import (Adasum, Average, Max, Min, Product, Sum, _entry, _handles, _handles_lock,  # noqa: F401
+                      _next_handle, _submit, _sync, poll, reset_handles, synchronize)
 from .process_sets import ProcessSet, global_process_set  # noqa: F401
-
-# An allreduce_async's one call: its handle, with flags, when its set holds it (agreed.py; the set's
-# thread runs a held list; the caller of agreed.added wakes it), 0 when not held, -1 a held name.
-_hold = _ext._hvd_hold
+from .records import BARRIER, JOIN, Request
 
 
 def init(*args, **kwargs):
-    """``init(comm=None, process_sets=None)``: see basics.init. Idempotent until shutdown."""
-    basics.init(*args, **kwargs)
+    """``init(comm=None, process_sets=None)``: see lifecycle.init. Idempotent until shutdown."""
+    lifecycle.init(*args, **kwargs)
     _open_env_timeline()
 
 
@@ -39,245 +42,7 @@ def shutdown():
         _handles.clear()
         reset_handles()
     stop_timeline_quietly()
-    basics.shutdown()
-
-
-def _adasum_checks(tensor, process_set) -> None:
-    if process_set is not global_process_set:
-        raise NotImplementedError("Adasum does not support non-global process sets yet.")
-    if tensor.is_cuda and nccl_built():
-        if not is_homogeneous():
-            raise NotImplementedError("Running GPU Adasum on heterogeneous cluster is not supported yet.")
-        nodes = size() // local_size()
-        if nodes & (nodes - 1):
-            raise NotImplementedError("Running GPU Adasum with non-power of 2 nodes is not supported yet.")
-    # One algorithm for CPU and CUDA tensors here (VHDD over all ranks): it needs a power of 2.
-    if size() & (size() - 1):
-        raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
-    if tensor.dtype not in (torch.float16, torch.float32, torch.float64):
-        raise HorovodInternalError("Unsupported data type")
-
-
-def _allreduce_entry(tensors, op, process_set):
-    """The set of an allreduce, once its arguments passed Horovod's checks."""
-    entry = _entry(process_set, "Allreduce")
-    if op == Adasum:
-        _adasum_checks(tensors[0], process_set)
-    return entry
-
-
-def _allreduce_requests(tensors, outputs, names, op, pre, post):
-    kind = C.ADASUM if op == Adasum else C.ALLREDUCE
-    return [C.Request(kind, nm, t, out, op=op if kind == C.ALLREDUCE else 0, pre=pre, post=post)
-            for nm, t, out in zip(names, tensors, outputs)]
-
-
-_GROUP_NAMES: dict = {}  # (base, n) -> the names of a grouped op's tensors
-
-
-def _names(prefix: str, name, handle: int, n: int) -> tuple:
-    """The names of an allreduce's tensors (a grouped op's are numbered "_1of3" ...)."""
-    base = _name(prefix, name, handle)
-    if prefix == "allreduce":
-        return (base,)
-    names = _GROUP_NAMES.get((base, n))
-    if names is None:
-        if len(_GROUP_NAMES) > 1 << 12:
-            _GROUP_NAMES.clear()
-        names = _GROUP_NAMES[(base, n)] = tuple(f"{base}_{i + 1}of{n}" for i in range(n))
-    return names
-
-
-def _allreduce_fast(tensors, inplace, prefix, name, op, pre, post, process_set):
-    """A synchronous allreduce's one-step path (agreed.allreduce_now): (its results or None, its
-    handle number or None). None results: the op goes through the queue as an asynchronous one
-    would, under that handle number when it has one."""
-    if not agreed.can_offer(tensors, op, pre):
-        return None, None
-    entry = _allreduce_entry(tensors, op, process_set)
-    c = entry.controller
-    if c is None or not (c.agreed_ok or c.size == 1):
-        return None, None
-    h = _next_handle()
-    out = agreed.allreduce_now(c, tensors, inplace, _names(prefix, name, h, len(tensors)), op, post)
-    if out is None:
-        return None, h
-    return (out if isinstance(out, list) else _wait(out)), h
-
-
-@_sync
-def _allreduce_sync(tensor, output, name, op, prescale_factor, postscale_factor, process_set, h=None):
-    return synchronize(_allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
-                                        h=h))
-
-
-def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set, timed=True, h=None):
-    """`timed` False: the caller is sure to synchronize the handle (DistributedOptimizer), so the
-    op, if held, never runs on the set's timer (agreed.defer). `h`: the op's handle number, when
-    a synchronous op took it already."""
-    _check_tensor(tensor, _REDUCE_TYPES)
-    entry = _allreduce_entry((tensor,), op, process_set)
-    if h is None:
-        h = _next_handle()
-    names = _names("allreduce", name, h, 1)
-    if agreed.can_defer((tensor,), op, prescale_factor) and entry.controller is not None:
-        if agreed.defer(entry.controller, [tensor], output is not None, names, op, postscale_factor, True, timed, h):
-            return h
-    reqs = _allreduce_requests([tensor], [output], names, op, prescale_factor, postscale_factor)
-    if output is None:
-        return _submit(entry, reqs, lambda: reqs[0].result, h)
-    return _submit(entry, reqs, lambda: output, h)
-
-
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set):
-    # Held in one call when the set is idle (agreed.py). Written out here and in allreduce_async_
-    # rather than in a helper, whose call is a measurable share of the op (docs/HOROVOD.md, "Cost").
-    if average is None and prescale_factor == 1.0:
-        code = _hold(process_set.process_set_id, tensor, name, False, Average if op is None else op, postscale_factor)
-        if code > 0 and not code & 3:
-            return code >> 2
-        if code:
-            return agreed.added(agreed.OWNERS[process_set.process_set_id], code)
-    op = _average_compat(op, average)
-    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
-
-
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set):
-    if average is None and prescale_factor == 1.0:
-        code = _hold(process_set.process_set_id, tensor, name, True, Average if op is None else op, postscale_factor)
-        if code > 0 and not code & 3:
-            return code >> 2
-        if code:
-            return agreed.added(agreed.OWNERS[process_set.process_set_id], code)
-    op = _average_compat(op, average)
-    return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set)
-
-
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set):
-    op = _average_compat(op, average)
-    out, h = _allreduce_fast([tensor], True, "allreduce", name, op, prescale_factor, postscale_factor, process_set)
-    if out is not None:
-        return out[0]
-    return _allreduce_sync(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set, h)
-
-
-class HorovodAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
-        ctx.average, ctx.op = average, op
-        ctx.prescale_factor, ctx.postscale_factor, ctx.process_set = prescale_factor, postscale_factor, process_set
-        return _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return (allreduce(grad_output, average=ctx.average, op=ctx.op, prescale_factor=ctx.prescale_factor,
-                          postscale_factor=ctx.postscale_factor, process_set=ctx.process_set),
-                None, None, None, None, None, None)
-
-
-def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
-    op = _average_compat(op, average)
-    out, h = _allreduce_fast([tensor], False, "allreduce", name, op, prescale_factor, postscale_factor, process_set)
-    if out is not None:
-        return out[0]
-    return _allreduce_sync(tensor, None, name, op, prescale_factor, postscale_factor, process_set, h)
-
-
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, process_set=global_process_set):
-    tensor_compressed, ctx = compression.compress(tensor)
-    if tensor_compressed.requires_grad and torch.is_grad_enabled():
-        summed = HorovodAllreduce.apply(tensor_compressed, average, name, op, prescale_factor, postscale_factor,
-                                        process_set)
-    else:  # nothing for autograd to record: the same op without the Function's own cost
-        summed = _allreduce_now(tensor_compressed, average, name, op, prescale_factor, postscale_factor, process_set)
-    return compression.decompress(summed, ctx)
-
-
-# ---- grouped allreduce ------------------------------------------------------------------------
-def _grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set,
-                             timed=True, h=None):
-    _check_tensor(tensors[0], _REDUCE_TYPES)
-    _same_device(tensors)
-    for t in tensors[1:]:
-        if not t.is_contiguous():
-            raise ValueError("Tensor is required to be contiguous.")
-    entry = _allreduce_entry(tensors, op, process_set)
-    if h is None:
-        h = _next_handle()
-    names = _names("grouped_allreduce", name, h, len(tensors))
-    if agreed.can_defer(tensors, op, prescale_factor) and entry.controller is not None:
-        if agreed.defer(entry.controller, list(tensors), outputs is not None, names, op, postscale_factor, False,
-                        timed, h):
-            return h
-    reqs = _allreduce_requests(tensors, outputs or [None] * len(tensors), names, op, prescale_factor,
-                               postscale_factor)
-    if outputs is None:
-        return _submit(entry, reqs, lambda: tuple(r.result for r in reqs), h)
-    return _submit(entry, reqs, lambda: tuple(outputs), h)
-
-
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set):
-    op = _average_compat(op, average)
-    return _grouped_allreduce_async(tensors, None, name, op, prescale_factor, postscale_factor, process_set)
-
-
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set):
-    op = _average_compat(op, average)
-    return _grouped_allreduce_async(tensors, list(tensors), name, op, prescale_factor, postscale_factor,
-                                    process_set)
-
-
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set):
-    op = _average_compat(op, average)
-    out, h = _allreduce_fast(list(tensors), True, "grouped_allreduce", name, op, prescale_factor, postscale_factor,
-                             process_set)
-    if out is not None:
-        return tuple(out)
-    return _grouped_sync(tensors, list(tensors), name, op, prescale_factor, postscale_factor, process_set, h)
-
-
-@_sync
-def _grouped_sync(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set, h=None):
-    return synchronize(_grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor,
-                                                process_set, h=h))
-
-
-class HorovodGroupedAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
-        ctx.average, ctx.op = average, op
-        ctx.prescale_factor, ctx.postscale_factor, ctx.process_set = prescale_factor, postscale_factor, process_set
-        op = _average_compat(op, average)
-        out, h = _allreduce_fast(list(tensors), False, "grouped_allreduce", name, op, prescale_factor,
-                                 postscale_factor, process_set)
-        if out is not None:
-            return tuple(out)
-        return _grouped_sync(list(tensors), None, name, op, prescale_factor, postscale_factor, process_set, h)
-
-    @staticmethod
-    def backward(ctx, *grad_output):
-        grads = grouped_allreduce(list(grad_output), average=ctx.average, op=ctx.op,
-                                  prescale_factor=ctx.prescale_factor, postscale_factor=ctx.postscale_factor,
-                                  process_set=ctx.process_set)
-        return (None, None, None, None, None, None, *grads)
-
-
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    if compression is Compression.none:  # what none's compress and decompress do, without a call per tensor
-        return list(HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
-                                                  *tensors))
-    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    summed = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
-                                           *compressed)
-    return [compression.decompress(t, c) for t, c in zip(summed, ctxs)]
+    lifecycle.shutdown()
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
@@ -307,7 +72,7 @@ def join(device=-1) -> int:
     entry = _entry(global_process_set, "Join")
     ctrl = C.controller_for(entry)
     ctrl.join_device = device if (device is not None and device >= 0 and torch.cuda.is_available()) else -1
-    req = C.Request(C.JOIN, "join.noname", None)
+    req = Request(JOIN, "join.noname", None)
     handle = _submit(entry, [req], lambda: torch.tensor(req.result, dtype=torch.int32), _next_handle())
     return int(synchronize(handle).item())
 
@@ -315,7 +80,7 @@ def join(device=-1) -> int:
 @_sync
 def barrier(process_set=global_process_set):
     entry = _entry(process_set, "Barrier")
-    req = C.Request(C.BARRIER, "barrier.noname", None)
+    req = Request(BARRIER, "barrier.noname", None)
     synchronize(_submit(entry, [req], lambda: None, _next_handle()))
 
 
@@ -328,10 +93,8 @@ def _timeline_env():
 
 def _open_env_timeline():
     path, mark = _timeline_env()
-    if path and path != "DYNAMIC" and STATE.rank == 0 and C.TIMELINE[0] is None:
-        from .timeline import Timeline
-
-        C.set_timeline(Timeline(path, mark))
+    if path and path != "DYNAMIC" and STATE.rank == 0 and timeline.ACTIVE[0] is None:
+        C.set_timeline(timeline.Timeline(path, mark))
 
 
 def start_timeline(file_path, mark_cycles=False):
@@ -342,12 +105,10 @@ def start_timeline(file_path, mark_cycles=False):
         raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
     if STATE.rank != 0:
         return
-    current = C.TIMELINE[0]
+    current = timeline.ACTIVE[0]
     if current is not None and getattr(current, "path", None) == file_path:
         return
-    from .timeline import Timeline
-
-    C.set_timeline(Timeline(file_path, mark_cycles))
+    C.set_timeline(timeline.Timeline(file_path, mark_cycles))
     if current is not None:
         current.close()
 
@@ -355,7 +116,7 @@ def start_timeline(file_path, mark_cycles=False):
 def stop_timeline():
     if not STATE.initialized:
         raise ValueError(NOT_INITIALIZED)
-    if C.TIMELINE[0] is None:
+    if timeline.ACTIVE[0] is None:
         import logging
 
         logging.getLogger("c10d_ext.horovod").warning(
@@ -365,15 +126,7 @@ def stop_timeline():
 
 
 def stop_timeline_quietly():
-    tl = C.TIMELINE[0]
+    tl = timeline.ACTIVE[0]
     C.set_timeline(None)
     if tl is not None:
         tl.close()
-
-
-from .collectives import (HorovodAllgather, HorovodAlltoall, HorovodBroadcast,  # noqa: E402,F401  (after allreduce: their gradients use it)
-                          HorovodGroupedAllgather, HorovodGroupedReducescatter, HorovodReducescatter,
-                          allgather, allgather_async, alltoall, alltoall_async, broadcast, broadcast_,
-                          broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
-                          grouped_reducescatter, grouped_reducescatter_async, reducescatter,
-                          reducescatter_async)

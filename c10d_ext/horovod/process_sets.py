@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from . import controller
 from .basics import STATE, _check
 from ._torch import all_gather_single
 
@@ -155,8 +156,6 @@ def _lookup(process_set: ProcessSet, op: str) -> _Entry:
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Registers a process set after init (collective: every Horovod process calls it with the
     same ranks). Needs HOROVOD_DYNAMIC_PROCESS_SETS=1 or ``init(process_sets="dynamic")``."""
-    from . import controller
-
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     if process_set.mpi_comm is not None:
@@ -180,8 +179,6 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregisters a set (collective). False for the global set or an unregistered one."""
-    from . import controller
-
     psid = process_set.process_set_id
     if psid is None or psid == 0:
         return False

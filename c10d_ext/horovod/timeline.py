@@ -32,6 +32,10 @@ import time
 
 __all__ = ["Timeline"]
 
+# The Timeline rank 0 writes while one is on (controller.set_timeline turns it on and off): while
+# it is on, no set holds ops (agreed.py), so that each op shows in it as a request.
+ACTIVE: list = [None]
+
 _log = logging.getLogger(__name__)
 
 # Per-tensor state, as Horovod tracks it: what the next record may be.
