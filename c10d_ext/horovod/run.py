@@ -26,7 +26,6 @@ The flags and host lists are in run_args.py; with --min-np or --host-discovery-s
 under Horovod's elastic driver instead (elastic/driver.py).
 """
 
-import collections
 import itertools
 import logging
 import os
@@ -47,14 +46,8 @@ __all__ = ["SlotInfo", "parse_hosts", "parse_host_files", "get_host_assignments"
 if __package__:  # (run as a file on the hosts, --_agent and --_worker need none of it)
     from .run_args import (SlotInfo, _version, get_host_assignments, is_elastic, make_parser,  # noqa: F401
                            parse_args, parse_host_files, parse_hosts, set_env_from_args)
-
-RUN_PY = os.path.abspath(__file__)
-RSH_ENV = "MYCCL_HVD_RSH"
-SSH_COMMAND_PREFIX = ["ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no"]
-TERMINATE_GRACE_S = 30.0  # torch's agent stops its workers with SIGTERM, then SIGKILL after 30 s
-_IGNORED_ENV = [re.compile(r) for r in (r"BASH_FUNC_.*", r"OLDPWD$", r".*CUDA_VISIBLE_DEVICES$")]
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_TAG = re.compile(rb"\[(\d+)\]<(stdout|stderr)>:")
+    from .spawn import (RSH_ENV, RUN_PY, TERMINATE_GRACE_S, HostLaunch, _command_line, _pump,  # noqa: F401
+                        is_local_host, remote_argv)
 
 
 def _config():
@@ -78,27 +71,6 @@ def _config():
 
 
 # ----------------------------------------------------------------------------------- launching
-def is_local_host(name: str) -> bool:
-    """Whether `name` is this machine: a loopback name, our host name, or an address of ours."""
-    if name in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        infos = socket.getaddrinfo(name, None)
-    except (OSError, UnicodeError):
-        return False
-    for family, _, _, _, sockaddr in infos:
-        addr = sockaddr[0]
-        if addr.startswith("127.") or addr == "::1":
-            return True
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.bind((addr, 0))  # only addresses of this machine can be bound
-            return True
-        except OSError:
-            pass
-    return False
-
-
 def _master_addr(hosts: list, local: list) -> str:
     """The first host, as every host can reach it (this machine's address towards the others
     when the first host is a loopback name for this machine)."""
@@ -122,25 +94,6 @@ def _free_port() -> int:
         s.bind(("", 0))
         return s.getsockname()[1]
 
-
-def _exportable(env: dict) -> dict:
-    return {k: v for k, v in env.items()
-            if _ENV_NAME.match(k) and not any(r.match(k) for r in _IGNORED_ENV)}
-
-
-def remote_argv(host: str, command_line: str, ssh_port=None, ssh_identity_file=None) -> list:
-    """The argv that runs the shell command line `command_line` on `host`."""
-    template = _config().value(RSH_ENV)
-    if template:
-        words = [w.replace("{host}", host) for w in shlex.split(template)]
-        if "{command}" in words:
-            return [command_line if w == "{command}" else w for w in words]
-        return words + ["/bin/sh", "-c", command_line]
-    return (SSH_COMMAND_PREFIX + (["-p", str(ssh_port)] if ssh_port is not None else [])
-            + (["-i", ssh_identity_file] if ssh_identity_file is not None else []) + [host, command_line])
-
-
-HostLaunch = collections.namedtuple("HostLaunch", "host node_rank nproc ranks local argv env")
 
 # The rank table of one host's workers, for its agent's worker wrapper: torch's agent knows each
 # worker's RANK and LOCAL_RANK, and horovodrun also gives HOROVOD_LOCAL_SIZE and the cross ranks.
@@ -196,26 +149,6 @@ def plan_launch(args, environ=None) -> list:
         env[SLOTS_ENV] = encode_slots(host_slots)
         out.append(HostLaunch(host, node_rank, len(ranks), ranks, local[node_rank], argv, env))
     return out
-
-
-def _command_line(h: HostLaunch) -> str:
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(_exportable(h.env).items()))
-    return (f"cd {shlex.quote(os.getcwd())} > /dev/null 2>&1 ; exec env {exports} "
-            + " ".join(shlex.quote(a) for a in h.argv))
-
-
-def _pump(src, dst, files: dict):
-    """Copies an agent's output to ours, and each tagged line to its rank's file."""
-    for line in iter(src.readline, b""):
-        dst.write(line)
-        dst.flush()
-        m = _TAG.search(line[:200])
-        if m and files is not None:
-            f = files.get((int(m.group(1)), m.group(2).decode()))
-            if f is not None:
-                f.write(line)
-                f.flush()
-    src.close()
 
 
 def _signal_all(procs, sig) -> None:
@@ -489,7 +422,7 @@ def _func_main(argv) -> int:
 
 
 if __name__ == "__main__":
-    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(RUN_PY):
+    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]  # run as a file: this package's modules must not shadow others
     _helpers = {"--_agent": _agent_main, "--_worker": _worker_main, "--_func": _func_main}
     if len(sys.argv) > 1 and sys.argv[1] in _helpers:

@@ -48,6 +48,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .. import spawn
 from ..run_args import get_host_assignments, parse_hosts, set_env_from_args
 
 DISCOVER_HOSTS_FREQUENCY_SECS = 1.0
@@ -217,8 +218,6 @@ class ElasticDriver:
     # ---- workers ---------------------------------------------------------------------------
     def _start(self, host, slot, rank, joiner, info=None) -> None:
         """A worker on host[slot]: a rank of the first world (`info` its SlotInfo) or a joiner."""
-        from .. import run as R
-
         self.next_id += 1
         w = Worker(host, slot, str(rank), f"w{self.next_id}", joiner)
         env = dict(self.env, MASTER_ADDR=self.addr, MASTER_PORT=str(self.port), HOROVOD_HOSTNAME=host,
@@ -231,12 +230,13 @@ class ElasticDriver:
                        HOROVOD_SIZE=str(info.size), HOROVOD_LOCAL_RANK=str(info.local_rank),
                        HOROVOD_LOCAL_SIZE=str(info.local_size), HOROVOD_CROSS_RANK=str(info.cross_rank),
                        HOROVOD_CROSS_SIZE=str(info.cross_size))
-        argv = [sys.executable, R.RUN_PY, "--_worker"] + (["--timestamp"] if self.args.prefix_output_with_timestamp
-                                                          else []) + ["--"] + list(self.args.command)
+        argv = [sys.executable, spawn.RUN_PY, "--_worker"] + (["--timestamp"] if self.args.prefix_output_with_timestamp
+                                                              else []) + ["--"] + list(self.args.command)
         stdin = None
-        if not R.is_local_host(host):
-            launch = R.HostLaunch(host, 0, 1, [rank], False, argv, env)
-            argv = R.remote_argv(host, R._command_line(launch), self.args.ssh_port, self.args.ssh_identity_file)
+        if not spawn.is_local_host(host):
+            launch = spawn.HostLaunch(host, 0, 1, [rank], False, argv, env)
+            argv = spawn.remote_argv(host, spawn._command_line(launch), self.args.ssh_port,
+                                     self.args.ssh_identity_file)
             env, stdin = dict(os.environ), subprocess.DEVNULL
         if self.args.verbose:
             print(f"[{host}] " + " ".join(shlex.quote(a) for a in argv), flush=True)
@@ -250,7 +250,7 @@ class ElasticDriver:
         w.proc = subprocess.Popen(argv, env=env, stdin=stdin, stdout=pipe, stderr=pipe, start_new_session=True)
         for src, dst in ((w.proc.stdout, sys.stdout.buffer), (w.proc.stderr, sys.stderr.buffer)):
             if src is not None:
-                self.threads.append(threading.Thread(target=R._pump, args=(src, dst, files), daemon=True))
+                self.threads.append(threading.Thread(target=spawn._pump, args=(src, dst, files), daemon=True))
                 self.threads[-1].start()
         self.workers.append(w)
 
@@ -275,8 +275,6 @@ class ElasticDriver:
 
     # ---- the job ---------------------------------------------------------------------------
     def run(self) -> int:
-        from .. import run as R
-
         now = time.monotonic()
         self._discover(first=True)
         end = now + self.timeout
@@ -288,7 +286,7 @@ class ElasticDriver:
             time.sleep(DISCOVER_HOSTS_FREQUENCY_SECS)
             self._discover(first=False)
         names = list(self.hosts)
-        self.addr = _driver_addr(names, [R.is_local_host(h) for h in names])
+        self.addr = _driver_addr(names, [spawn.is_local_host(h) for h in names])
         self.store = dist.TCPStore(self.addr, 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=max(60, self.timeout)))
         self.port = self.store.port
@@ -305,7 +303,7 @@ class ElasticDriver:
                 self._signal(w, signal.SIGTERM)
             for w in self.workers:
                 try:
-                    w.proc.wait(timeout=R.TERMINATE_GRACE_S)
+                    w.proc.wait(timeout=spawn.TERMINATE_GRACE_S)
                 except subprocess.TimeoutExpired:
                     self._signal(w, signal.SIGKILL)
                     w.proc.wait()
