@@ -9,13 +9,6 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "c10d_ext")
 
-# Known cycles, to be removed from this list once broken (never added to).
-KNOWN = {
-    # wholememory's device.py and tensor.py import each other: being broken apart separately.
-    "c10d_ext.wholememory",
-}
-
-
 def _modules() -> dict[str, str]:
     """Dotted name -> path, for every Python module and extension module of the package."""
     mods = {}
@@ -96,17 +89,10 @@ def _graph() -> dict[str, set[str]]:
 def test_no_import_cycles():
     graph = _graph()
     assert "c10d_ext.horovod.controller" in graph and "c10d_ext._C" in graph  # the scan saw the package
-    found = [c for c in _cycles(graph) if not all(any(m == k or m.startswith(k + ".") for k in KNOWN) for m in c)]
+    found = _cycles(graph)
     detail = "\n".join(" <-> ".join(c) + "\n" + "\n".join(f"    {m} imports {sorted(graph[m] & set(c))}" for m in c)
                        for c in found)
     assert not found, "import cycles in c10d_ext:\n" + detail
-
-
-def test_known_cycles_still_exist():
-    """An entry of KNOWN whose cycle is gone is stale: remove it, so that it cannot come back."""
-    cycles = _cycles(_graph())
-    for k in KNOWN:
-        assert any(all(m.startswith(k + ".") for m in c) for c in cycles), f"{k} has no cycle any more: drop it"
 
 
 def test_the_scan_finds_a_cycle_through_a_lazy_import(tmp_path):
