@@ -123,10 +123,11 @@ CpuEngine::WorkPtr CpuEngine::enqueue(WorkPtr w, OpCode code, std::function<void
   runOp(op);
   op = Op{};
   bool queued = false;
+  WorkPtr finished;  // released below, outside mu_ (see loop())
   {
     std::lock_guard<std::mutex> lk(mu_);
     running_ = false;
-    runningWork_.reset();
+    finished = std::move(runningWork_);
     queued = !queue_.empty();
   }
   // Waking the engine thread for nothing costs a futex call here and, worse, a context switch
@@ -149,11 +150,20 @@ void CpuEngine::loop() {
       runningWork_ = op.work;
     }
     runOp(op);
-    op = Op{};  // drop tensors and callbacks before reporting idle
+    // Tensors, callbacks and the Work are dropped before reporting idle, and never under mu_:
+    // releasing a tensor may take the GIL (torch frees its Python object with it), and a caller
+    // may hold the GIL while it waits for mu_ (a ProcessGroup subclassed in Python, such as whole
+    // memory's communicators, calls the backend with the GIL held).
+    WorkPtr finished;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      finished = std::move(runningWork_);  // (done: inFlight() no longer counts it)
+    }
+    op = Op{};
+    finished.reset();
     {
       std::lock_guard<std::mutex> lk(mu_);
       running_ = false;
-      runningWork_.reset();
     }
     cv_.notify_one();
     idleCv_.notify_all();
