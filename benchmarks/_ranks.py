@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 
 
@@ -26,3 +28,24 @@ def run_ranks(target, world_size: int, args, timeout: float):
     for p in procs:
         p.join(60)
     return result
+
+
+def _from_env(rank: int, size: int, port: int, job, queue) -> None:
+    worker, args = job
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
+    res = worker(args)
+    if rank == 0:
+        queue.put(res)
+
+
+def run_env_ranks(worker, world_size: int, args, timeout: float):
+    """run_ranks for a module-level worker(args) that starts from torchrun's variables (MASTER_ADDR,
+    MASTER_PORT, RANK, WORLD_SIZE); returns rank 0's result."""
+    return run_ranks(_from_env, world_size, (worker, args), timeout)
+
+
+def write_json(res, out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\nwrote {out}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from _ranks import run_ranks  # noqa: E402
+from _ranks import run_env_ranks, write_json  # noqa: E402
 
 MB = 1 << 20
 
@@ -235,17 +234,7 @@ def report(res: dict, out: str) -> None:
         r["vs_index_select"] = limit / r["time_s"]
         hits = "" if r["hit_fraction"] is None else f"{r['hit_fraction']:.0%}"
         print(f"{r['config']:<42} {r['time_s'] * 1e3:8.2f} {r['gbps']:8.2f} {hits:>6} {r['vs_index_select']:15.2f}x")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"\nwrote {out}")
-
-
-def _spawned(rank: int, size: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
-    res = worker(args)
-    if rank == 0:
-        queue.put(res)
+    write_json(res, out)
 
 
 def main() -> None:
@@ -266,7 +255,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = args.out or os.path.join(ROOT, "bench_out", f"embedding_bench_{args.world_size}ranks.json")
-    report(run_ranks(_spawned, args.world_size, args, timeout=3600), out)
+    report(run_env_ranks(worker, args.world_size, args, timeout=3600), out)
 
 
 if __name__ == "__main__":

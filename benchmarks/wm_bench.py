@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from _ranks import run_ranks  # noqa: E402
+from _ranks import run_env_ranks, write_json  # noqa: E402
 
 
 def _bytes(text: str) -> int:
@@ -174,17 +174,7 @@ def report(res: dict, out: str, rate: float | None) -> None:
             line += f" | {frac:13.2f}"
         print(line)
     res["link_rate_bytes_per_s"] = rate
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"\nwrote {out}")
-
-
-def _spawned(rank: int, size: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
-    res = worker(args)
-    if rank == 0:
-        queue.put(res)
+    write_json(res, out)
 
 
 def main() -> None:
@@ -213,7 +203,7 @@ def main() -> None:
         res, rate = _multihost(args, out)
         report(res, out, rate)
         return
-    report(run_ranks(_spawned, args.world_size, args, timeout=3600), out, None)
+    report(run_env_ranks(worker, args.world_size, args, timeout=3600), out, None)
 
 
 def _multihost(args, out):
