@@ -7,7 +7,7 @@
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 import torch
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -190,7 +190,7 @@ setup(
     name="c10d_ext",
     version=VERSION,
     description="myccl: a fast, debuggable torch.distributed backend (shared memory / TCP on CPU, NCCL on CUDA)",
-    packages=["c10d_ext", "c10d_ext.trace", "c10d_ext.horovod", "c10d_ext.horovod.elastic"],
+    packages=find_packages(include=["c10d_ext", "c10d_ext.*"]),  # every subpackage, new ones too
     python_requires=">=3.10",
     install_requires=[TORCH_REQUIREMENT],
     ext_modules=[

@@ -64,3 +64,18 @@ def test_source_lists_are_the_builds():
     assert set(double) & set(ext) == set(build_sources.resolve(build_sources.CUDA_SEAM))
     with pytest.raises(ValueError, match="'Nowhere.cpp' names 0 of the extension's sources"):
         build_sources.resolve(["Nowhere.cpp"])
+
+
+def test_the_distribution_carries_every_module_of_the_package(tmp_path):
+    """setup.py's package list: every module under c10d_ext/ is in what a wheel or an sdist ships
+    (egg_info's SOURCES.txt, which `pip install .` and `make wheel` build from), new subpackages too."""
+    env = dict(os.environ, MYCCL_BUILD_TESTS="0")
+    p = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (info,) = [d for d in os.listdir(tmp_path) if d.endswith(".egg-info")]
+    shipped = set(open(os.path.join(tmp_path, info, "SOURCES.txt")).read().split())
+    modules = {os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "c10d_ext"))
+               for f in fs if f.endswith(".py") and "__pycache__" not in d and f != "_build_info.py"}
+    assert "c10d_ext/wholememory/embedding.py" in modules
+    assert not modules - shipped, sorted(modules - shipped)
