@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -44,6 +43,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ranks import free_port  # noqa: E402  (others import it from here too)
 
 OPS = ["all_reduce", "all_reduce_bf16", "all_reduce_i32", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
        "gather", "scatter", "send_recv", "ping_pong", "barrier"]
@@ -391,12 +392,6 @@ def _spawn_entry(rank, world, args, port, device_type, queue):
     out = run_rank(rank, world, args, port, device_type)
     if rank == 0:
         queue.put(out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cuda_memory(args, world: int) -> tuple[int, int]:

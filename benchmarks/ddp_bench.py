@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -46,6 +45,9 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ranks import free_port  # noqa: E402
 
 # name -> (DDP implementation, backend, gradient_as_bucket_view)
 CONFIGS = {
@@ -188,12 +190,6 @@ def memory_worker(rank: int, size: int, port: int, name: str, args, queue) -> No
     if rank == 0:
         queue.put({"peak_pss_bytes": mem[0].item(), "peak_rss_bytes": mem[1].item(), "grad_storage_bytes": grads})
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(target, extra, args):

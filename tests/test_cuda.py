@@ -781,11 +781,7 @@ def test_missing_peer_times_out(run, blocking, mode):
     assert "unusable" in res["later"][1], res["later"]
 
 
-def _assert_reports(results):
-    failures = [f for _, fails in results for f in fails]
-    checks = sum(c for c, _ in results)
-    assert checks > 0
-    assert not failures, f"{len(failures)} of {checks} checks failed:\n" + "\n".join(failures[:40])
+_assert_reports = harness.assert_reports
 
 
 # ---- world size N (MYCCL_TEST_CUDA_WORLD=N) --------------------------------------------------
