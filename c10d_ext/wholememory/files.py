@@ -99,13 +99,13 @@ def load_from_files(t, prefix: str, part_count: int | None = None) -> None:
         if total != m.rows:
             raise ValueError(f"the files of {prefix} hold {total} rows, the tensor has {m.rows}")
         rows, first = local_partition(t)
-        _read_rows(files, sizes, rb, first, rows)
+        read_rows(files, sizes, rb, first, rows)
     except (OSError, ValueError) as e:
         error = type(e)(f"myccl: {op} (rank {m.group.rank()}): {e}")
     _agree(op, m.group, error)
 
 
-def _read_rows(files, sizes, rb: int, first: int, dest: torch.Tensor) -> None:
+def read_rows(files, sizes, rb: int, first: int, dest: torch.Tensor) -> None:
     """Reads rows [first, first + len(dest)) of the concatenated files into dest."""
     count = dest.shape[0]
     if not count:
@@ -169,7 +169,7 @@ def create_wm_tensor_from_file(shape, dtype, wm_comm, filename: str, wm_tensor_t
     t = create_wm_tensor(group, shape, [], dtype, wm_tensor_type)
     try:  # (a HOST tensor: every host fills its own copy)
         rows, first = local_partition(t)
-        _read_rows(files, sizes, _row_bytes(meta_of(t, op)), first, rows)
+        read_rows(files, sizes, _row_bytes(meta_of(t, op)), first, rows)
     except OSError as e:
         error = OSError(f"myccl: {op} (rank {group.rank()}): {e}")
     agree_on_error(op, group, error, "rank {rank} failed to read its rows (its error says why)", OSError)

@@ -17,6 +17,7 @@ start of its part, and rows are translated on the way in.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from . import access
 from . import device as device_mod
 from . import tensor as tensor_mod
+from .files import read_rows
 from .tensor import WmTensorType
 from .wg_comm import WholeMemoryCommunicator, check_location, check_memory_type, fail
 
@@ -373,11 +375,11 @@ class WholeMemoryTensor:
             if total > self.shape[0]:
                 self._fail(op, f"the {len(filelist)} files hold {total} entries, the tensor has {self.shape[0]}")
             local, first = self.get_local_tensor(host_view=self._layout.location == "cpu")
-            reader = _Reader(filelist, sizes, entry)
+            reader = functools.partial(read_rows, filelist, sizes, entry)  # (first, dest): entries of the files in turn
             if round_robin_size == 0:
                 stop = min(first + local.shape[0], total)
                 if stop > first:
-                    reader.read(first, local.narrow(0, 0, stop - first))
+                    reader(first, local.narrow(0, 0, stop - first))
             else:
                 self._read_round_robin(op, reader, total, round_robin_size, local)
         except (OSError, ValueError, TypeError) as e:
@@ -395,7 +397,7 @@ class WholeMemoryTensor:
             count = min(size, total - start)
             if k * size + count > local.shape[0]:
                 self._fail(op, f"round robin gives this rank more than its {local.shape[0]} entries")
-            reader.read(start, local.narrow(0, k * size, count))
+            reader(start, local.narrow(0, k * size, count))
             k += 1
 
     def from_file_prefix(self, file_prefix: str, part_count: int | None = None) -> None:
@@ -432,34 +434,6 @@ def _file_size(op: str, rank, filename: str) -> int:
     if not os.access(filename, os.R_OK):
         fail(op, rank, f"File {filename} not readable")
     return os.path.getsize(filename)
-
-
-class _Reader:
-    """Entries of files read back to back, as one sequence."""
-
-    def __init__(self, files, sizes, entry: int):
-        self.files, self.sizes, self.entry = files, sizes, entry
-
-    def read(self, first: int, dest: torch.Tensor) -> None:
-        """Entries [first, first + len(dest)) into dest (any layout, any device)."""
-        buf = torch.empty(dest.shape, dtype=dest.dtype)
-        out = memoryview(buf.view(-1).view(torch.uint8).numpy())
-        lo, hi = first * self.entry, (first + dest.shape[0]) * self.entry
-        at = 0
-        for path, size in zip(self.files, self.sizes):
-            a, b = max(at, lo), min(at + size, hi)
-            if a < b:
-                with open(path, "rb", buffering=0) as f:
-                    f.seek(a - at)
-                    view = out[a - lo:b - lo]
-                    got = 0
-                    while got < len(view):
-                        k = f.readinto(view[got:])
-                        if not k:
-                            raise OSError(f"{path}: short read at byte {a - at + got}")
-                        got += k
-            at += size
-        dest.copy_(buf)
 
 
 def create_wholememory_tensor(comm: WholeMemoryCommunicator, memory_type: str, memory_location: str, sizes, dtype,
