@@ -70,6 +70,8 @@ PYBIND11_MODULE(_test_double, m) {
     return py::reinterpret_steal<py::object>(PyCapsule_New(rt, myccl::kTestRuntimeCapsule, destroyCapsule));
   });
   m.def("set_device", [](int index) { td::device(machine())->set(index); });
+  // Device order (Machine::setDeviceOrder): each simulated device runs one launch at a time.
+  m.def("set_device_order", [](bool on) { td::setDeviceOrder(*machine(), on); });
   m.def("current_device", [] { return td::device(machine())->current(); });
   m.def("synchronize", [] { td::synchronize(*machine()); }, py::call_guard<py::gil_scoped_release>());
   m.def("violations", [] { return td::violations(*machine()); });

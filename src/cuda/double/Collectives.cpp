@@ -324,6 +324,8 @@ class Runner {
 void runLaunch(Machine& m, Launch& l) {
   Comm& c = *l.comm;
   bool skip = false;
+  const int dev = l.stream.device_index();
+  if (l.ticket) m.awaitDeviceTurn(dev, l.ticket, [&c] { return c.stopped(); }, c.name);
   {
     // A communicator's launches run in launch order even on different streams: NCCL
     // serializes a communicator's kernels.
@@ -353,12 +355,14 @@ void runLaunch(Machine& m, Launch& l) {
     ++c.finished;
   }
   c.cv.notify_all();
+  if (l.ticket) m.endDeviceTurn(dev, l.ticket);
 }
 
 }  // namespace
 
 void enqueueLaunch(Machine& m, const std::shared_ptr<Launch>& launch) {
   Machine* mp = &m;
+  launch->ticket = m.takeDeviceTicket(launch->stream.device_index());
   std::shared_ptr<Join> join;
   if (!launch->joined.empty()) join = std::make_shared<Join>();
   for (const auto& s : launch->joined) {

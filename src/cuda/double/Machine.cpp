@@ -286,6 +286,45 @@ bool pollUntil(const std::function<bool()>& ready, const std::function<bool()>& 
   }
 }
 
+// ---- device order ---------------------------------------------------------------------------
+
+void Machine::setDeviceOrder(bool on) {
+  std::lock_guard<std::mutex> lk(orderMu_);
+  deviceOrder_ = on;
+}
+
+uint64_t Machine::takeDeviceTicket(int device) {
+  std::lock_guard<std::mutex> lk(orderMu_);
+  return deviceOrder_ ? ++ticketsTaken_[device] : 0;
+}
+
+void Machine::awaitDeviceTurn(int device, uint64_t ticket, const std::function<bool()>& cancelled,
+                              const std::string& what) {
+  const auto start = Clock::now();
+  bool reported = false;
+  std::unique_lock<std::mutex> lk(orderMu_);
+  while (ticketsDone_[device] + 1 < ticket) {
+    if ((cancelled && cancelled()) || stopping.load()) return;
+    orderCv_.wait_for(lk, std::chrono::milliseconds(20));
+    if (!reported && Clock::now() - start > hang()) {
+      reported = true;
+      lk.unlock();
+      violation("device " + std::to_string(device) + ": a launch on communicator " + what +
+                " waited past the hang time for the device's earlier launches (launches of communicators that "
+                "share ranks were made in different orders on different ranks)");
+      lk.lock();
+    }
+  }
+}
+
+void Machine::endDeviceTurn(int device, uint64_t ticket) {
+  {
+    std::lock_guard<std::mutex> lk(orderMu_);
+    ticketsDone_[device] = std::max(ticketsDone_[device], ticket);
+  }
+  orderCv_.notify_all();
+}
+
 // ---- public hooks -------------------------------------------------------------------------
 
 std::shared_ptr<Machine> machine(const Options& opts) {
@@ -314,6 +353,8 @@ void kernel(Machine& m, const Stream& s, void* p, size_t nbytes, const std::stri
     body();
   });
 }
+
+void setDeviceOrder(Machine& m, bool on) { m.setDeviceOrder(on); }
 
 void synchronize(Machine& m) {
   const auto deadline = Clock::now() + m.hang();

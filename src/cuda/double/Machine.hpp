@@ -119,6 +119,18 @@ class Machine : public std::enable_shared_from_this<Machine> {
   // Communicator state, created by the first Nccl on this machine.
   std::shared_ptr<NcclState> nccl();
 
+  // ---- device order (off unless a test turns it on) ----
+  // On: each device runs one communicator launch at a time, in the order they were launched on
+  // it across communicators and streams. NCCL allows a GPU to behave so (one kernel resident at a
+  // time), which is why every rank must launch the ops of communicators that share ranks in the
+  // same order: here a different order hangs, as it may on a GPU.
+  void setDeviceOrder(bool on);
+  // The launch's place on its device (0: device order is off).
+  uint64_t takeDeviceTicket(int device);
+  // Waits until every earlier ticket of `device` has run (or `cancelled`); past hang(), a violation.
+  void awaitDeviceTurn(int device, uint64_t ticket, const std::function<bool()>& cancelled, const std::string& what);
+  void endDeviceTurn(int device, uint64_t ticket);
+
  private:
   mutable std::mutex mu_;
   std::vector<std::string> violations_;
@@ -131,6 +143,10 @@ class Machine : public std::enable_shared_from_this<Machine> {
   std::shared_ptr<NcclState> nccl_;
   std::mutex memoryMu_;
   std::weak_ptr<Memory> memory_;
+  std::mutex orderMu_;
+  std::condition_variable orderCv_;
+  bool deviceOrder_ = false;
+  std::map<int, uint64_t> ticketsTaken_, ticketsDone_;  // per device
 };
 
 // Polls `ready` until true or `cancelled()`, sleeping a little longer each round (at most

@@ -92,6 +92,7 @@ struct Launch {
   std::vector<Op> ops;
   Stream stream{Stream::DEFAULT, c10::Device(c10::kCUDA, 0)};  // where the item runs
   std::vector<Stream> joined;  // other streams of the group's ops: they wait for the item
+  uint64_t ticket = 0;          // its place on its device, where device order is on (Machine)
 };
 
 // Collectives.cpp: queues the launch on its streams.

@@ -62,6 +62,8 @@ void clearViolations(Machine& m);
 // Blocks until every stream of the machine has run what it held at the call
 // (cudaDeviceSynchronize on every device). Past hangMs it reports a hang and returns.
 void synchronize(Machine& m);
+// Device order: each device runs one communicator launch at a time, in launch order (a GPU may).
+void setDeviceOrder(Machine& m, bool on);
 // Facts tests assert on (the first eight are always present):
 //   comms_created, comms_blocking, comms_nonblocking  communicators made by init or split
 //   group_launches   outermost groupEnds and ops issued outside a group (each one launch)
