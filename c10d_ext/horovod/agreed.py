@@ -4,7 +4,7 @@ Every cycle of a set whose members share memory opens with myccl's agreed all_re
 offers a key (a hash of the names and of everything that must agree) with its data, or nothing,
 and the op reduces only if every member offered the same key, element count, dtype and op; else
 every member gets "no" from the same step with nothing written and the cycle goes on to the
-negotiation (controller.SetController._negotiate). Two ways in:
+negotiation (controller.py). Two ways in:
 
 * ``offer``: a cycle run from the queue offers its one request when it holds exactly one eligible
   allreduce and nothing else waits.
@@ -21,7 +21,6 @@ others waiting in the op): dense contiguous CPU tensors of the common dtypes, no
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from . import timeline
 from .basics import STATE
 from .exceptions import DUPLICATE_NAME, SHUT_DOWN, HorovodInternalError
 from .execute import ALONE_BYTES, _scale
-from .records import ALLREDUCE, HANDLES, SLOTS, Handle, Request
+from .records import ALLREDUCE, HANDLES, Handle, Request
 
 # Horovod's op codes the agreed op takes (Average is a sum, scaled after) and the dtypes every one
 # of them reduces on the CPU engine.
@@ -133,17 +132,12 @@ def allreduce_now(ctrl, tensors: list, inplace: bool, names: tuple, op: int, pos
     op. A set of one member reduces nothing: the cycle is the scaling alone. While it runs, its
     names are not in the set's in-flight table: another thread submitting one of them meanwhile
     is queued for a later cycle rather than refused (the caller holds the set's cycle)."""
-    if not ctrl.driver.acquire(blocking=False):
+    if not ctrl.loop.free or not ctrl.driver.acquire(blocking=False):
         return None
     try:
-        with ctrl.cond:
-            if (ctrl.failed is not None or ctrl.stopping or ctrl.queue or ctrl.mine or ctrl.table
-                    or ctrl.held.has_open or ctrl.held.has_sealed or ctrl.join_req is not None or ctrl.joined):
-                return None
-            for nm in names:
-                if nm in ctrl.in_flight:
-                    return None  # queued, it gets Horovod's duplicate-name error
-        # As on the set's thread, the data ops record no autograd history (set directly: the
+        if not ctrl.quiet_for(names):
+            return None
+        # As on the loop's thread, the data ops record no autograd history (set directly: the
         # no_grad context manager costs more than the rest of this path's Python).
         grad = torch.is_grad_enabled()
         if grad:
@@ -154,8 +148,7 @@ def allreduce_now(ctrl, tensors: list, inplace: bool, names: tuple, op: int, pos
             if grad:
                 torch._C._set_grad_enabled(True)
             if not ctrl.held.accepting:  # its requests went on into the negotiation
-                with ctrl.cond:
-                    ctrl._reopen()
+                ctrl.reopen()
     finally:
         ctrl.driver.release()
 
@@ -167,18 +160,13 @@ def _cycle_now(ctrl, tensors, inplace, names, op, post):
         raise HorovodInternalError(str(ctrl.fail_with(e))) from None
     if out is None:  # a tensor it cannot offer: nothing ran
         return None
-    _cycled(ctrl)
     if out is False:
+        ctrl.cycled(None)
         d = Deferred(ctrl, threading.Event(), tensors, inplace, names, op, post, single=False)
         _negotiate_now(ctrl, [d])
         return d
-    ctrl.progress, ctrl.others_more = True, False
+    ctrl.cycled(True)
     return out
-
-
-def _cycled(ctrl) -> None:
-    ctrl.cycles += 1
-    ctrl.last_cycle = ctrl.last_beat = time.monotonic()
 
 
 def run_list(ctrl, tensors, inplace, names, op, post):
@@ -213,32 +201,19 @@ def _negotiate_now(ctrl, ops: list, tl=None) -> None:
         reqs += d.reqs
     if tl is not None:
         tl.mark_cycle_start()
-    with ctrl.cond:
-        ctrl.held.accepting = False  # until the negotiation is over (controller._reopen)
-        for r in reqs:
-            ctrl.in_flight[r.name] = r
-        ctrl.queue[:0] = reqs
-        batch = ctrl.queue[:SLOTS]
-        del ctrl.queue[:SLOTS]
-        more = bool(ctrl.queue)
-    for r in batch:  # from here a failure of the set completes them with its error
-        ctrl.mine[r.nhash] = r
-    try:
-        ctrl.progress, ctrl.others_more = ctrl._negotiate(batch, more, tl, False)
-    except BaseException as e:  # noqa: BLE001
-        ctrl.fail_with(e)
+    ctrl.negotiate_first(reqs, tl)
 
 
 # ---- asynchronous allreduces: held for the set's next agreed step -----------------------------
 # A set's pending list lives in C++ (_C._HeldSet, src/python/HorovodHeld.cpp): an op joins it in
 # one call, and its handle's result comes back in one more. The list runs (flush) as one agreed
 # step when a caller waits on one of its ops, when its bytes reach the fusion threshold (sealed
-# at that op, the same op on every member: it runs at once), or on the set's thread once no op
+# at that op, the same op on every member: it runs at once), or on the loop once no op
 # joined it for PENDING_IDLE cycle times (at most PENDING_CAP after its first). Where the lists
 # of two members end differs only when one of them runs on its timer: then the negotiation sorts
 # the requests out, each op becoming a Deferred.
 PENDING_IDLE, PENDING_CAP = 20, 100
-AWAKE_SECONDS = 1.0  # a set's thread looks for pending lists itself this long after a cycle
+AWAKE_SECONDS = 1.0  # the loop looks for pending lists itself this long after a set's cycle
 DONE, FAILED, HANDED = 2, 3, 4  # a held list's states from which it is over
 OWNERS: dict = {}  # set id -> its controller, for a list's waiters
 
@@ -281,8 +256,7 @@ def added(ctrl, code: int):
     thread when the list wants timing or was sealed."""
     if code > 0:
         if code & 2 or (code & 1 and ctrl.asleep):  # sealed, or a list to time and nobody looks
-            with ctrl.cond:
-                ctrl.cond.notify()
+            ctrl.wake()
         return code >> 2
     if code == 0:
         return None
@@ -290,7 +264,7 @@ def added(ctrl, code: int):
 
 
 def pending_due(ctrl) -> float:
-    """When the set's thread runs its pending list (monotonic), unless a caller does first."""
+    """When the loop runs a set's pending list (monotonic), unless a caller does first."""
     t = ctrl.cycle_time
     return ctrl.held.due(PENDING_IDLE * t, PENDING_CAP * t)
 
@@ -316,12 +290,12 @@ def flush(ctrl, lst) -> None:
     tl = timeline.ACTIVE[0] if STATE.rank == 0 else None
     try:
         got = -1  # 1 done, 0 the members' lists differed, -1 nothing ran
-        if tl is None and ctrl.size > 1 and not ctrl.agreed_ok:
+        across = tl is None and ctrl.size > 1 and not ctrl.agreed_ok
+        if across:
             # Across hosts (no agreed op): the list's key rides on this cycle's negotiation
             # message; where every member announced the same, its buffers run as plain all_reduces.
-            ctrl.progress, ctrl.others_more = ctrl._negotiate([], False, None, False, list_key=lst.key())
             got = 0
-            if ctrl.list_agreed:
+            if ctrl.negotiate_list(lst.key()):
                 got = lst.run(ctrl.backend, ctrl.agreed_flag, OPS[op], _post_scale(ctrl, op, post),
                               ctrl.fusion_threshold, ALONE_BYTES, -1)
         elif tl is None:
@@ -333,19 +307,17 @@ def flush(ctrl, lst) -> None:
                 got = -1 if out is None else 1 if out else 0
                 if got == 1:
                     lst.complete(out)
-            if got == 1:
-                ctrl.others_more = False  # (across hosts the negotiation said)
         if got < 0 and ctrl.agreed_ok:  # nothing ran: the cycle still opens with the agreed op
             offer(ctrl, None)
     except BaseException as e:  # noqa: BLE001 - the set failed: every waiter must hear of it
         lst.fail(str(ctrl.fail_with(e)))
         return
-    _cycled(ctrl)
     if got != 1:  # on into this cycle's negotiation (across hosts: the next one), as requests
+        ctrl.cycled(None)
         tensors, inplace, names, _, _ = lst.contents()
         _handoff(ctrl, lst, tensors, inplace, names, op, post, tl)
         return
-    ctrl.progress = True
+    ctrl.cycled(True, None if across else False)  # (across hosts the negotiation said who has more)
 
 
 def _handoff(ctrl, lst, tensors, inplace, names, op, post, tl) -> None:

@@ -1,15 +1,14 @@
-"""Horovod's coordination on myccl: one background thread per process set.
+"""Horovod's coordination on myccl: the state and the cycle of one process set.
 
-Ops enqueue *requests* keyed by tensor name. A set's thread runs *cycles* while it has work:
-each cycle every member announces its new requests (fixed-size records: a hash of the name, a
-hash of everything that must agree, and what fusion and a joined rank need: kind, dtype, device,
-op, element counts, scale factors, root) in one all_gather of the set's group. Every member then
-holds the same table of who announced what, so all of them pick the same ready requests (all
+Ops enqueue *requests* keyed by tensor name. The process's engine loop (loop.py) runs the set's
+*cycles*: each cycle every member announces its new requests (fixed-size records: a hash of the
+name, a hash of everything that must agree, and what fusion and a joined rank need: kind, dtype,
+device, op, element counts, scale factors, root) in one all_gather of the set's group. Every member
+then holds the same table of who announced what, so all of them pick the same ready requests (all
 non-joined members announced) in the same order, check that they agree, fuse them and run the
 data collectives identically: no coordinator round trip, and a mismatch is found before any
-byte moves (a mismatched collective would leave the group unusable). A member with nothing
-announced and nothing new waits without cycling, so an idle job costs nothing; while requests
-wait on a peer, a member cycles at most once per HOROVOD_CYCLE_TIME.
+byte moves (a mismatched collective would leave the group unusable). Where the set's members share
+memory, every cycle opens with one agreed step (agreed.py) and negotiates only if it said no.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ from .. import _C as _ext
 from . import agreed, execute, timeline
 from .basics import STATE
 from .exceptions import DUPLICATE_NAME, SHUT_DOWN, HorovodInternalError
-from .records import (BARRIER, FIELDS, HEADER, JOIN, JOIN_UNSUPPORTED, LEAVING, MORE, SLOTS, STALLED, Handle,
-                      Request)
+from .records import (ACTIVE, BARRIER, FIELDS, HEADER, JOIN, JOIN_UNSUPPORTED, LEAVING, MORE, SLOTS, STALLED,
+                      Handle, Request)
 from .stall import StallInspector
 from .streams import SetStreams
 from ._torch import all_gather_single
@@ -39,6 +38,8 @@ log = logging.getLogger("c10d_ext.horovod")
 # a member busy outside Horovod (evaluation, a checkpoint) never leaves a peer's cycle waiting
 # on it past the group's timeout; the stall inspector warns of what waits instead.
 HEARTBEAT_SECONDS = 1.0
+
+STEP, BEAT, LOOK, SLEEP = range(4)  # what a set's plan asks of the loop (SetController.plan)
 
 
 def _kind_of(entry) -> int:
@@ -69,16 +70,21 @@ def _cycle_seconds() -> float:
         return 0.001
 
 
-class SetController(threading.Thread):
-    def __init__(self, entry):
-        super().__init__(name=f"hvd-set{entry.id}", daemon=True)
+class SetController:
+    """One process set on this rank: its queue, table, pending lists and cycle. The engine loop
+    (loop.py) runs its cycles; a caller waiting on an op may run one itself where the loop lets
+    it (``loop.free``). Every set of the process shares the loop's lock and its ``driver``, so
+    one cycle of one set runs at a time in the process."""
+
+    def __init__(self, entry, loop):
         self.entry = entry
+        self.loop = loop
         self.group = entry.group
         self.size = len(entry.ranks)
         self.me = entry.ranks.index(STATE.rank)
         self.is_global = entry.id == 0
-        self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
+        self.lock = loop.lock
+        self.cond = loop.cond
         self.queue: list[Request] = []
         self.in_flight: dict = {}  # name -> request (or agreed.Deferred), for the duplicate check
         self.fusion_threshold = _threshold()
@@ -97,7 +103,6 @@ class SetController(threading.Thread):
         # Negotiations run (every member runs each one, unlike the agreed steps a member may
         # take alone): the clock of joins, so that every member names the same last one.
         self.rounds = 0
-        self.asleep = False  # this set's thread waits until told (_loop)
         self.list_agreed = False  # every member announced the same pending list's key (_negotiate)
         self.stalls = StallInspector()  # a warning on the set's rank 0, and optionally a shutdown
         self.leaving = False  # this member's last cycle: it shuts down (_leave)
@@ -111,7 +116,7 @@ class SetController(threading.Thread):
         self.agreed_flag = torch.frombuffer(self.agreed_byte, dtype=torch.uint8)
         self.no_offer = torch.zeros(1)
         self.backend = None  # the group's myccl backend, once agreed_ok is known
-        self.driver = threading.Lock()  # held by whoever runs a cycle
+        self.driver = loop.driver  # held by whoever runs a cycle (of any set of the process)
         self.last_cycle = 0.0  # when the last cycle with work began (monotonic)
         self.last_beat = 0.0  # when the last cycle of any kind began: the first runs at once
         self.progress = True  # the last cycle announced or ran something
@@ -129,7 +134,8 @@ class SetController(threading.Thread):
     # ---- the caller's side -------------------------------------------------------------------
     def submit(self, requests: list[Request], wake: bool = True) -> None:
         """Atomically enqueues the requests of one op (a grouped op's members negotiate and fuse
-        together), or raises as Horovod does at enqueue."""
+        together), or raises as Horovod does at enqueue. `wake` False: a synchronous op, whose
+        caller runs the cycle itself where the loop lets it (loop.free)."""
         with self.cond:
             if self.failed is not None or self.stopping:
                 raise HorovodInternalError(SHUT_DOWN)
@@ -145,17 +151,14 @@ class SetController(threading.Thread):
                     if r.kind != BARRIER:
                         self.in_flight[r.name] = r
                     self.queue.append(r)
-            if wake:  # a synchronous op's caller runs the cycle itself (drive)
-                self.cond.notify()
+            if wake or not self.loop.free:
+                self.cond.notify_all()
 
-    # ---- the thread ----------------------------------------------------------------------------
-    def run(self) -> None:
-        # Grad mode is per thread: the data ops here must never record autograd history (the
-        # ops' autograd Functions wrap the caller's side).
-        for fn in THREAD_INIT:
-            fn()
-        with torch.no_grad():
-            self._loop()
+    # ---- what the loop asks ----------------------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        """Whether nobody looks at this set until told (agreed.added wakes the loop then)."""
+        return self.loop.asleep
 
     def _requests(self) -> bool:
         """Requests to cycle for: queued, announced and waiting on peers, or a join."""
@@ -166,78 +169,60 @@ class SetController(threading.Thread):
 
     def _reopen(self) -> None:
         """Whether asynchronous allreduces may be held now (agreed.defer): the set is idle (nothing
-        queued, announced or joining) and its first cycle told whether it has the agreed op (its
-        lists then agree through that op, else through the negotiation's message). Called with
-        the cond held."""
+        queued, announced or joining), its first cycle told whether it has the agreed op (its
+        lists then agree through that op, else through the negotiation's message), and the loop
+        lets a caller run a cycle (a held list runs on its waiter's thread). Called with the cond
+        held."""
         self.held.accepting = ((self.agreed_ok is not None or self.size == 1) and self.failed is None and not self.stopping
-                               and timeline.ACTIVE[0] is None
+                               and timeline.ACTIVE[0] is None and self.loop.free
                                and not (self.queue or self.mine or self.table or self.join_req is not None
                                         or self.joined))
 
-    def _loop(self) -> None:
-        while True:
-            beat = False
-            with self.cond:
-                while not (self.stopping or self.failed):
-                    if self.held.has_sealed:
-                        break
-                    if self._requests():
-                        # Horovod's cycle: asynchronous requests gather for up to one cycle time
-                        # after the last cycle began, so that those submitted together fuse.
-                        pause = self.last_cycle + self.cycle_time - time.monotonic()
-                        if pause > 0:
-                            self.cond.wait(pause)
-                        break
-                    due = agreed.pending_due(self)  # (infinite: no list, or one of untimed ops)
-                    if due != math.inf:  # runs once none came for a while (or a caller runs it)
-                        pause = due - time.monotonic()
-                        if pause <= 0:
-                            break
-                        self.cond.wait(pause)
-                        continue
-                    # Idle: a heartbeat cycle once a second (HEARTBEAT_SECONDS). While the set
-                    # was used lately, this thread also looks again every PENDING_IDLE cycle
-                    # times, so that a pending list that begins meanwhile is timed without waking
-                    # it from its first op (agreed.added): a wake would cost that op a thread
-                    # switch. Idle longer, it sleeps until told or until the next heartbeat.
-                    now = time.monotonic()
-                    beat = self.size > 1 and now >= self.last_beat + HEARTBEAT_SECONDS
-                    if beat:
-                        break
-                    if now - self.last_cycle < agreed.AWAKE_SECONDS:
-                        self.cond.wait(agreed.PENDING_IDLE * self.cycle_time)
-                        continue
-                    self.asleep = True
-                    if agreed.pending_due(self) == math.inf:  # (a timed list begun before this line was not told)
-                        beat_in = self.last_beat + HEARTBEAT_SECONDS - now
-                        self.cond.wait(beat_in if self.size > 1 and beat_in != math.inf else None)
-                    self.asleep = False
-                if self.stopping or self.failed:
-                    break
-            with self.driver:
-                if not self.step(beat=beat):
-                    return
-        if not self.failed:
-            self._leave()
-            self._fail(HorovodInternalError(SHUT_DOWN), stopping=True)
+    def plan(self, now: float) -> tuple[float, int]:
+        """When the loop runs this set's next cycle on its own (free mode; with the cond held):
+        (monotonic time, STEP / BEAT / LOOK / SLEEP). STEP and BEAT run a cycle then (BEAT: a
+        heartbeat, announcing nothing); LOOK and SLEEP only look again then (SLEEP: nobody looks
+        before, unless told)."""
+        if self.held.has_sealed:
+            return now, STEP
+        if self._requests():
+            # Horovod's cycle: asynchronous requests gather for up to one cycle time after the
+            # last cycle began, so that those submitted together fuse.
+            return self.last_cycle + self.cycle_time, STEP
+        due = agreed.pending_due(self)  # (infinite: no list, or one of untimed ops)
+        if due != math.inf:  # runs once none came for a while (or a caller runs it)
+            return due, STEP
+        # Idle: a heartbeat cycle once a second (HEARTBEAT_SECONDS). While the set was used
+        # lately, the loop also looks again every PENDING_IDLE cycle times, so that a pending list
+        # that begins meanwhile is timed without waking it from its first op (agreed.added): a
+        # wake would cost that op a thread switch. Idle longer, it sleeps until told or the beat.
+        beat = self.last_beat + HEARTBEAT_SECONDS if self.size > 1 else math.inf
+        if now >= beat:
+            return now, BEAT
+        if now - self.last_cycle < agreed.AWAKE_SECONDS:
+            return min(beat, now + agreed.PENDING_IDLE * self.cycle_time), LOOK
+        return beat, SLEEP
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         """The set stops on this member (hvd.shutdown): one last cycle tells the others, whose
         sets then stop too (their ops fail with Horovod's shut-down error, not as a lost peer).
-        A member that is busy takes part through its heartbeat."""
-        if self.size == 1:
+        A member that is busy takes part through its heartbeat. Run by the loop, which holds
+        ``driver``."""
+        if self.size == 1 or self.failed is not None:
             return
         self.leaving = True
         try:
-            with self.driver, torch.no_grad():
+            with torch.no_grad():
                 self._cycle([], False, beat=True)
         except BaseException:  # noqa: BLE001 - a peer that is gone already: nothing to tell
             pass
 
+    # ---- one cycle ---------------------------------------------------------------------------------
     def step(self, waiter: bool = False, beat: bool = False) -> bool:
-        """One cycle, run by whoever holds ``driver``: this thread, or a caller waiting on an op
-        (`waiter`; which saves two thread switches per op). `beat`: a heartbeat is due, so the
-        cycle runs even with nothing to announce. False once the set failed."""
+        """One cycle where there is one to run (free mode), by whoever holds ``driver``: the loop,
+        or a caller waiting on an op (`waiter`; which saves two thread switches per op). `beat`: a
+        heartbeat is due, so the cycle runs even with nothing to announce. False once the set
+        failed."""
         try:
             return self._step(waiter, beat)
         finally:
@@ -246,6 +231,7 @@ class SetController(threading.Thread):
 
     def _step(self, waiter: bool, beat: bool = False) -> bool:
         held = self.held
+        batch, more = None, False
         with self.cond:
             if self.failed or self.stopping:
                 return not self.failed
@@ -258,17 +244,37 @@ class SetController(threading.Thread):
                 if deferred is None:
                     if (held.has_open and not waiter and not self._requests()
                             and time.monotonic() < agreed.pending_due(self)):
-                        return True  # nobody waits on the pending list and it is not due: _loop times it
+                        return True  # nobody waits on the pending list and it is not due: the loop times it
                     if not held.has_open and not self.queue and not self.progress and not self.others_more:
                         # Requests wait on peers and nothing changed: one cycle time, or new work.
                         self.cond.wait(self.cycle_time)
                         if self.stopping or not self._requests():
-                            return True  # (a pending list that came meanwhile runs when due: _loop)
+                            return True  # (a pending list that came meanwhile runs when due: the loop)
                     deferred = held.take(True)  # before anything queued: it came first
                     if deferred is None:
                         batch = self.queue[:SLOTS]
                         del self.queue[:SLOTS]
                         more = bool(self.queue)
+        return self._run_cycle(batch, more, beat, deferred)
+
+    def cycle_once(self) -> None:
+        """Exactly one cycle, whatever is queued (a heartbeat when nothing is): the set's turn in
+        one of the loop's iterations (lockstep mode), run by the loop, which holds ``driver``."""
+        try:
+            with self.cond:
+                if self.failed or self.stopping:
+                    return
+                deferred = self.held.take(True)  # (a list opened before the loop went lockstep)
+                batch = self.queue[:SLOTS] if deferred is None else None
+                if batch is not None:
+                    del self.queue[:SLOTS]
+                more = bool(self.queue)
+            self._run_cycle(batch, more, not (batch or self.mine or self.join_req), deferred)
+        finally:
+            with self.cond:
+                self._reopen()
+
+    def _run_cycle(self, batch, more: bool, beat: bool, deferred) -> bool:
         if deferred is not None:
             agreed.flush(self, deferred)
             return self.failed is None
@@ -281,8 +287,8 @@ class SetController(threading.Thread):
             return False
 
     def drive(self, handle: Handle) -> None:
-        """Waits for `handle`, running cycles on this (the caller's) thread while the set's own
-        thread is not running one."""
+        """Waits for `handle`, running cycles on this (the caller's) thread while no other cycle
+        runs, where the loop lets a caller (loop.free)."""
         self._drive(handle.event.is_set, handle.event.wait)
 
     def drive_held(self, lst) -> None:
@@ -291,18 +297,72 @@ class SetController(threading.Thread):
 
     def _drive(self, done, wait) -> None:
         while not done():
-            if self.failed is not None or self.stopping:
+            if self.failed is not None or self.stopping or not self.loop.free:
                 wait(0.01)
                 continue
             if self.driver.acquire(blocking=False):
                 try:
-                    if not done():
+                    if not done() and self.loop.free:
                         with torch.no_grad():
                             self.step(waiter=True)
                 finally:
                     self.driver.release()
             else:
                 wait(0.0005)
+
+    # ---- the fast paths' interface (agreed.py): a cycle that a caller opens with an agreed step --
+    def quiet_for(self, names) -> bool:
+        """Whether a caller holding ``driver`` may run an agreed step of `names` as the set's cycle:
+        the set is idle (nothing queued, announced, held or joining; not failed or stopping) and
+        no name is in flight (queued, such an op gets Horovod's duplicate-name error)."""
+        with self.cond:
+            if (self.failed is not None or self.stopping or self.queue or self.mine or self.table
+                    or self.held.has_open or self.held.has_sealed or self.join_req is not None or self.joined):
+                return False
+            return not any(nm in self.in_flight for nm in names)
+
+    def cycled(self, progress: bool | None, others_more: bool | None = False) -> None:
+        """A caller's agreed step counts as a cycle of the set. `progress` None: the step said no,
+        and the cycle goes on into negotiate_first, which tells what it achieved."""
+        self.cycles += 1
+        self.last_cycle = self.last_beat = time.monotonic()
+        if progress is not None:
+            self.progress = progress
+            if others_more is not None:
+                self.others_more = others_more
+
+    def negotiate_first(self, reqs: list[Request], tl) -> None:
+        """The agreed step said no on every member: `reqs` go first into the queue and on into
+        this cycle's negotiation, exactly as a queued cycle goes on (_cycle)."""
+        with self.cond:
+            self.held.accepting = False  # until the negotiation is over (_reopen)
+            for r in reqs:
+                self.in_flight[r.name] = r
+            self.queue[:0] = reqs
+            batch = self.queue[:SLOTS]
+            del self.queue[:SLOTS]
+            more = bool(self.queue)
+        for r in batch:  # from here a failure of the set completes them with its error
+            self.mine[r.nhash] = r
+        try:
+            self.progress, self.others_more = self._negotiate(batch, more, tl, False)
+        except BaseException as e:  # noqa: BLE001
+            self.fail_with(e)
+
+    def negotiate_list(self, key: int) -> bool:
+        """A pending list's cycle across hosts (no agreed step): a negotiation whose message
+        carries the list's key. Whether every member announced the same key."""
+        self.progress, self.others_more = self._negotiate([], False, None, False, list_key=key)
+        return self.list_agreed
+
+    def wake(self) -> None:
+        """Tells the loop to look again (a pending list to time, a poll)."""
+        with self.cond:
+            self.cond.notify_all()
+
+    def reopen(self) -> None:
+        with self.cond:
+            self._reopen()
 
     def fail_with(self, e: BaseException) -> HorovodInternalError:
         """Fails the set with `e` as Horovod's error (what a cycle raised); returns that error."""
@@ -329,7 +389,7 @@ class SetController(threading.Thread):
 
     def _cycle(self, batch: list[Request], more: bool, beat: bool = False) -> tuple[bool, bool]:
         """One cycle: the agreed step where the set has it, then the negotiation if it said no.
-        `beat`: a heartbeat, which does not count as use of the set (_loop)."""
+        `beat`: a heartbeat, which does not count as use of the set (plan)."""
         self.cycles += 1
         self.last_beat = time.monotonic()
         if not beat:
@@ -346,6 +406,7 @@ class SetController(threading.Thread):
             # each offers; any member's "no" sends all of them to the negotiation below.
             offer_ok = tl is None and not joining and not self.joined and not more and not waiting and not self.table
             if agreed.offer(self, batch[0] if offer_ok and len(batch) == 1 else None):
+                self.loop.note_active()  # (every member offered the op: every member has work)
                 return True, False
         return self._negotiate(batch, more, tl, joining)
 
@@ -359,7 +420,8 @@ class SetController(threading.Thread):
             recs.append(self.join_req.record())
         m = self.msg_arr
         m[0] = len(recs)
-        m[1] = (MORE if more else 0) | (STALLED if self.stalls.stalled else 0) | (LEAVING if self.leaving else 0)
+        m[1] = ((MORE if more else 0) | (STALLED if self.stalls.stalled else 0) | (LEAVING if self.leaving else 0)
+                | (ACTIVE if recs or self.loop.busy() else 0))
         m[2] = list_key
         if recs:
             m[HEADER:HEADER + len(recs) * FIELDS] = array("q", [x for rec in recs for x in rec])
@@ -399,6 +461,8 @@ class SetController(threading.Thread):
         if self.agreed_ok is None:  # the set's first cycle (it made the group's CPU engine)
             self._agree_settings()
         others_more = any(f & MORE for f in flags)
+        if any(f & ACTIVE for f in flags):
+            self.loop.note_active()
         if any(f & LEAVING for f in flags) and not self.leaving:  # a member shut Horovod down: all stop
             self.peer_left = True  # (an orderly end: nothing to warn of unless an op is refused)
             err = HorovodInternalError(SHUT_DOWN)
@@ -464,8 +528,8 @@ class SetController(threading.Thread):
         req.handle.part_done(req, error)
 
 
-_CONTROLLERS: dict[int, SetController] = {}
-THREAD_INIT: list = []  # callables each controller thread runs first (the CUDA double's tests)
+_CONTROLLERS: dict[int, SetController] = {}  # this rank's sets by id (the loop keeps it: loop.py)
+THREAD_INIT: list = []  # callables the loop's thread runs first (the CUDA double's tests)
 
 
 def set_timeline(tl) -> None:
@@ -477,63 +541,8 @@ def set_timeline(tl) -> None:
             c._reopen()
 
 
-def start_set(entry) -> None:
-    if entry.group is None:
-        return
-    c = SetController(entry)
-    entry.controller = c
-    _CONTROLLERS[entry.id] = c
-    c.start()
-
-
-def start_all(entries) -> None:
-    """Starts the thread of every set of `entries` (process_sets' table) this rank is in."""
-    for entry in entries:
-        start_set(entry)
-
-
-def _abort(group) -> None:
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-        if hasattr(backend, "abort"):
-            backend.abort()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def stop_set(entry, grace: float = 5.0) -> bool:
-    """Stops a set's thread; returns whether the set had failed (a lost or broken peer)."""
-    c = _CONTROLLERS.pop(entry.id, None)
-    if c is None:
-        return False
-    with c.cond:
-        c.stopping = True
-        c.held.accepting = False
-        c.cond.notify_all()
-    c.join(grace)
-    if c.is_alive():  # blocked in a collective whose peers are gone: unblock it
-        _abort(c.group)
-        c.join(grace)
-        c.failed = c.failed or HorovodInternalError(SHUT_DOWN)
-    entry.controller = None
-    c.held.close()
-    if agreed.OWNERS.get(entry.id) is c:
-        del agreed.OWNERS[entry.id]
-    return c.failed is not None and getattr(c.failed, "peer_lost", True)
-
-
-def stop_all(entries) -> bool:
-    """Stops the threads of the sets of `entries`, the newest first; returns whether any had
-    failed (a lost or broken peer)."""
-    failed = False
-    for entry in sorted(entries, key=lambda e: -e.id):
-        failed = stop_set(entry) or failed
-    return failed
-
-
 def controller_for(entry) -> SetController:
     c = entry.controller
     if c is None:
         raise HorovodInternalError(SHUT_DOWN)
     return c
-

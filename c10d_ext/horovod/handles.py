@@ -34,10 +34,9 @@ _next_handle, reset_handles = _ext._hvd_next_handle, _ext._hvd_reset_handles
 # an unnamed op is named after it, so two threads never share a name.
 def poll(handle: int) -> bool:
     done = _held_poll(handle)
-    if done == 2:  # a held op of an untimed list: now timed, and its set's thread must know
+    if done == 2:  # a held op of an untimed list: now timed, and the loop must know
         for ctrl in list(agreed.OWNERS.values()):
-            with ctrl.cond:
-                ctrl.cond.notify()
+            ctrl.wake()
         return False
     if done >= 0:
         return bool(done)
@@ -124,8 +123,8 @@ def _submit(entry, reqs, finish, h: int) -> int:
 
 
 def _sync(fn):
-    """Marks a synchronous op: its requests do not wake the set's thread, the caller's
-    synchronize runs the cycle (unless the thread is in one already)."""
+    """Marks a synchronous op: its requests do not wake the loop, the caller's
+    synchronize runs the cycle (unless the loop is in one already, or runs in lockstep)."""
     def wrapper(*args, **kwargs):
         outer = getattr(_local, "sync", False)
         _local.sync = True

@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import controller, launch_env, process_sets as ps_mod
+from . import launch_env, loop, process_sets as ps_mod
 from ._torch import all_gather_single
 from .basics import STATE, _rendezvous, _timeout
 from .exceptions import HorovodInternalError
@@ -187,7 +187,7 @@ def init(comm=None, process_sets=None) -> None:
                                        s.cross_size)
         s.initialized = True
         ps_mod._init_sets(process_sets)
-        controller.start_all(ps_mod._TABLE.values())
+        loop.start_all(ps_mod._TABLE.values())
         if not s.atexit:
             atexit.register(shutdown)
             s.atexit = True
@@ -198,7 +198,7 @@ def shutdown() -> None:
     with s.lock:
         if not s.initialized:
             return
-        failed = controller.stop_all(ps_mod._TABLE.values())
+        failed = loop.stop_all()
         s.lost_rank = s.lost_rank or failed
         if s.lost_rank:
             s.failed_group = s.group

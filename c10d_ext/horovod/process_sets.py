@@ -1,6 +1,7 @@
 """Horovod's process sets: ``ProcessSet``, ``global_process_set``, ``add_process_set`` and
-``remove_process_set``. Each registered set is a myccl group of its own with its own background
-controller (negotiation, fusion and name space are per set, as in Horovod)."""
+``remove_process_set``. Each registered set is a myccl group of its own with its own controller
+(negotiation, fusion and name space are per set, as in Horovod), whose cycles the process's
+engine loop runs (loop.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from . import controller
+from . import loop
 from .basics import STATE, _check
 from ._torch import all_gather_single
 
@@ -173,7 +174,14 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     _agree(process_set.ranks, "register process set")
     psid = next(i for i in range(1, len(_TABLE) + 2) if i not in _TABLE)  # ids are recycled
     _register(process_set, psid)
-    controller.start_set(_TABLE[psid])
+    try:
+        loop.add_set(_TABLE[psid], _TABLE.values())
+    except BaseException:
+        entry = _TABLE.pop(psid)
+        process_set._invalidate()
+        if entry.group is not None:
+            dist.destroy_process_group(entry.group)
+        raise
     return process_set
 
 
@@ -192,7 +200,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if entry is None:
         return False
     _agree(entry.ranks, "remove process set")
-    controller.stop_set(entry)
+    loop.remove_set(entry, [e for e in _TABLE.values() if e is not entry])
     del _TABLE[psid]
     if entry.group is not None:
         dist.destroy_process_group(entry.group)

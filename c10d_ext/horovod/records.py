@@ -26,7 +26,9 @@ DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 SLOTS = 64  # requests a member announces per cycle (more go in the next, at once)
 FIELDS = 8  # int64 per record
 HEADER = 3  # count, flags, the key of the pending list the member runs in this cycle (agreed.flush)
-MORE, STALLED, LEAVING = 2, 4, 8  # header flags: more queued, a stall past the shutdown time, shutting down
+# header flags: more queued, a stall past the shutdown time, shutting down, work in some set of the
+# member's process (its peers' loops stay awake: loop.py)
+MORE, STALLED, LEAVING, ACTIVE = 2, 4, 8, 16
 
 
 _HASHES: dict = {}  # names and signatures repeat every step: hash each once
