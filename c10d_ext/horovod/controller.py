@@ -313,10 +313,11 @@ class SetController:
     # ---- the fast paths' interface (agreed.py): a cycle that a caller opens with an agreed step --
     def quiet_for(self, names) -> bool:
         """Whether a caller holding ``driver`` may run an agreed step of `names` as the set's cycle:
-        the set is idle (nothing queued, announced, held or joining; not failed or stopping) and
+        the loop is free (the caller checked before it took ``driver``: a cycle may have changed
+        it meanwhile), the set is idle (nothing queued, announced, held or joining; not failed or stopping) and
         no name is in flight (queued, such an op gets Horovod's duplicate-name error)."""
         with self.cond:
-            if (self.failed is not None or self.stopping or self.queue or self.mine or self.table
+            if (not self.loop.free or self.failed is not None or self.stopping or self.queue or self.mine or self.table
                     or self.held.has_open or self.held.has_sealed or self.join_req is not None or self.joined):
                 return False
             return not any(nm in self.in_flight for nm in names)

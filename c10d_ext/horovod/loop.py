@@ -46,6 +46,7 @@ class EngineLoop(threading.Thread):
         self.driver = threading.Lock()  # held by whoever runs a cycle, of any set
         self.sets: list[C.SetController] = []  # this rank's sets, by id
         self.lockstep = lockstep
+        self.mode = 0  # counts changes of the set list (attach, detach)
         self.stopping = False
         self.asleep = False  # nobody looks at any set until told (SetController.asleep)
         self.iterations = 0  # lockstep iterations run
@@ -73,22 +74,26 @@ class EngineLoop(threading.Thread):
             fn()
         with torch.no_grad():
             while True:
-                job = self._next()
+                job, mode = self._next()
                 if job is None:
                     break
                 with self.driver:
-                    job()
+                    # A caller's cycle may have changed the mode (a set added or removed) while this
+                    # thread waited for the driver: a job chosen for the other mode must not run.
+                    if mode == self.mode:
+                        job()
             with self.driver:
                 self._leave()
 
     def _next(self):
-        """Waits for what runs next: a set's cycle (free), an iteration (lockstep), None: stop."""
+        """Waits for what runs next: a set's cycle (free), an iteration (lockstep), None: stop;
+        with the mode it was chosen in."""
         with self.cond:
             while not self.stopping:
                 now = time.monotonic()
                 job, wake, sleeping = (self._next_lockstep if self.lockstep else self._next_free)(now)
                 if job is not None:
-                    return job
+                    return job, self.mode
                 self.asleep = sleeping
                 # (a timed pending list begun before `asleep` was set was not told: agreed.added)
                 if sleeping and any(agreed.pending_due(c) != math.inf for c in self.sets):
@@ -96,7 +101,7 @@ class EngineLoop(threading.Thread):
                     continue
                 self.cond.wait(None if wake == math.inf else max(0.0, wake - now))
                 self.asleep = False
-        return None
+        return None, self.mode
 
     def _next_free(self, now: float):
         wake, sleeping = math.inf, True
@@ -154,6 +159,7 @@ class EngineLoop(threading.Thread):
 
     def _mode(self, lockstep: bool) -> None:
         self.lockstep = lockstep
+        self.mode += 1
         for c in self.sets:
             c._reopen()
         self.cond.notify_all()
