@@ -1,16 +1,15 @@
-"""The benchmarks' ranks on this host: spawned processes that meet on a free local port."""
+"""The benchmarks' ranks on this host: spawned processes that meet on a free local port. The port
+and the environment of ranks that share a GPU are the tests' (tests/harness.py), one definition."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
+import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness import SHARED_GPU, free_port  # noqa: E402,F401  (the benchmarks import both from here)
 
 
 def run_ranks(target, world_size: int, args, timeout: float):

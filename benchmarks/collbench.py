@@ -19,7 +19,7 @@ round trip; its busbw counts both messages), the latency a pipeline stage sees.
 On CUDA (--device cuda) every timing ends with torch.cuda.synchronize(), so a figure is issue plus
 completion on the GPU; "issue us" is the host time to enqueue one op (the loop before that sync),
 the host overhead of the backend. More ranks than GPUs share them: each rank then poses as a host
-of its own to NCCL (SHARED_GPU_NCCL_ENV), over loopback sockets, so busbw there measures NCCL's
+of its own to NCCL (SHARED_GPU), over loopback sockets, so busbw there measures NCCL's
 socket path, the same for myccl and the baseline.
 
     python benchmarks/collbench.py --device cuda --world-size 2 \
@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _ranks import free_port  # noqa: E402  (others import it from here too)
+from _ranks import SHARED_GPU, free_port  # noqa: E402  (others import free_port from here too)
 
 OPS = ["all_reduce", "all_reduce_bf16", "all_reduce_i32", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
        "gather", "scatter", "send_recv", "ping_pong", "barrier"]
@@ -57,26 +57,12 @@ ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# Ranks sharing one GPU: NCCL refuses two ranks of one communicator on one device of one host, so
-# each rank gets a host identity of its own ("{rank}" is replaced) and talks over loopback
-# sockets, without the intra-host transports that assume distinct devices. tests/test_cuda.py
-# sets the same for its shared-GPU worlds.
-SHARED_GPU_NCCL_ENV = {
-    "NCCL_HOSTID": "host{rank}",
-    "NCCL_SOCKET_IFNAME": "lo",
-    "NCCL_P2P_DISABLE": "1",
-    "NCCL_SHM_DISABLE": "1",
-    "NCCL_IB_DISABLE": "1",
-    "NCCL_NVLS_ENABLE": "0",
-}
-
-
 def share_gpus(rank: int, local_world: int) -> bool:
-    """Sets SHARED_GPU_NCCL_ENV in this process when the host's ranks outnumber its GPUs (before
+    """Sets SHARED_GPU in this process when the host's ranks outnumber its GPUs (before
     any communicator exists; values already in the environment win). Returns whether it did."""
     if local_world <= torch.cuda.device_count():
         return False
-    for k, v in SHARED_GPU_NCCL_ENV.items():
+    for k, v in SHARED_GPU.items():
         os.environ.setdefault(k, v.replace("{rank}", str(rank)))
     return True
 

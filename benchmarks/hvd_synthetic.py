@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 
 
 def _env(rank: int, size: int, port: int, shared_gpu: bool) -> dict:
-    from collbench import SHARED_GPU_NCCL_ENV
+    from _ranks import SHARED_GPU
 
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
                LOCAL_RANK=str(0 if shared_gpu else rank), LOCAL_WORLD_SIZE=str(1 if shared_gpu else size),
@@ -45,7 +45,7 @@ def _env(rank: int, size: int, port: int, shared_gpu: bool) -> dict:
     if shared_gpu:
         # Ranks sharing one GPU each pose as a host of their own (NCCL's and myccl's identity), so
         # that Horovod's script pins each to local rank 0's device.
-        for k, v in SHARED_GPU_NCCL_ENV.items():
+        for k, v in SHARED_GPU.items():
             env.setdefault(k, v.replace("{rank}", str(rank)))
         env["MYCCL_HOST_ID"] = f"host{rank}"
     return env

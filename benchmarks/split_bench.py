@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -26,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from harness import free_port  # noqa: E402
 from harness import open_sockets as _sockets  # noqa: E402  (how the tests count sockets)
 
 
@@ -73,9 +73,7 @@ def main() -> int:
     ap.add_argument("--transport", choices=["auto", "tcp"], default="auto")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_out", "split_bench.json"))
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args.reps, args.transport, q))

@@ -47,9 +47,25 @@ class Logged(logging.Handler):
 
 
 def free_port() -> int:
+    """A local TCP port nobody listens on now (tests' and benchmarks' stores and masters)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Ranks sharing one GPU: NCCL refuses two ranks of one communicator on one device of one host, so
+# each rank poses as a host of its own ("{rank}" becomes the rank, see World) and talks over
+# loopback sockets, without the intra-host transports that assume distinct devices. The CUDA
+# tests' shared-GPU worlds and the benchmarks' ranks that outnumber their GPUs both use it.
+SHARED_GPU = {
+    "NCCL_HOSTID": "host{rank}",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_DEBUG": "WARN",
+}
 
 
 class Ctx:

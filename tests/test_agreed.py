@@ -114,7 +114,7 @@ def _set_stats(hvd):
 def _warm_start(ctx):
     """Horovod started, its set's first cycle done (it negotiates: it makes the group's engine and
     turns the agreed path on), and the set's op counts then."""
-    from test_horovod import quiet_heartbeat, start
+    from hvd_helpers import quiet_heartbeat, start
 
     quiet_heartbeat()  # these tests count the set's cycles and ops
     hvd = start(ctx)
@@ -125,7 +125,7 @@ def _warm_start(ctx):
 def body_hvd_agreed(ctx):
     import time
 
-    from test_horovod import stop, value
+    from hvd_helpers import stop, value
 
     hvd, before = _warm_start(ctx)
     r = hvd.rank()
@@ -162,7 +162,7 @@ def body_hvd_agreed(ctx):
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_hvd_allreduce_is_one_collective(run, size):
-    from test_horovod import value
+    from hvd_helpers import value
 
     res = run(size, body_hvd_agreed, timeout=120)
     for r, out in enumerate(res):
@@ -187,7 +187,7 @@ def test_hvd_allreduce_is_one_collective(run, size):
 def body_hvd_now(ctx):
     import time
 
-    from test_horovod import stop, value
+    from hvd_helpers import stop, value
 
     hvd, before = _warm_start(ctx)
     r = hvd.rank()
@@ -244,7 +244,7 @@ def body_hvd_now(ctx):
 
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_hvd_synchronous_ops_on_the_callers_thread(run, size):
-    from test_horovod import value
+    from hvd_helpers import value
 
     res = run(size, body_hvd_now, timeout=120)
     shapes = [(2, 3), (4,), (1,), (0,)]
@@ -277,7 +277,7 @@ def test_hvd_synchronous_ops_on_the_callers_thread(run, size):
 def body_hvd_deferred(ctx):
     import time
 
-    from test_horovod import stop, value
+    from hvd_helpers import stop, value
 
     from c10d_ext.horovod import controller as C
 
@@ -331,7 +331,7 @@ def body_hvd_deferred(ctx):
 
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_hvd_async_allreduces_run_as_one_agreed_step(run, size):
-    from test_horovod import value
+    from hvd_helpers import value
 
     # No list runs on the thread's timer here (a cycle time of 10 s): callers run them, and the
     # thread runs each list that fills a fusion buffer (100 B here), cut at the same op everywhere.
@@ -368,7 +368,7 @@ def test_hvd_async_allreduces_run_as_one_agreed_step(run, size):
 
 
 def body_hvd_held(ctx):
-    from test_horovod import stop, value
+    from hvd_helpers import stop, value
 
     from c10d_ext import _C
     from c10d_ext.horovod import controller as C
@@ -401,7 +401,7 @@ def body_hvd_held(ctx):
 def test_hvd_async_allreduces_held_until_waited_for(run, size):
     """Under the default fusion threshold and a cycle time of 10 s, ten async ops stay in the
     pending list until one is waited for, then go as one agreed step."""
-    from test_horovod import value
+    from hvd_helpers import value
 
     from c10d_ext.horovod.exceptions import DUPLICATE_NAME, SHUT_DOWN
 
@@ -421,7 +421,7 @@ def test_hvd_async_allreduces_held_until_waited_for(run, size):
 def body_hvd_deferred_timer(ctx):
     import time
 
-    from test_horovod import stop, value
+    from hvd_helpers import stop, value
 
     hvd, _ = _warm_start(ctx)
     r = hvd.rank()
@@ -437,7 +437,7 @@ def body_hvd_deferred_timer(ctx):
 
 @pytest.mark.parametrize("size", [1, 2])
 def test_hvd_async_allreduce_completes_without_synchronize(run, size):
-    from test_horovod import value
+    from hvd_helpers import value
 
     res = run(size, body_hvd_deferred_timer, timeout=90)
     for r, out in enumerate(res):
@@ -448,7 +448,7 @@ def test_hvd_async_allreduce_completes_without_synchronize(run, size):
 def body_hvd_untimed_list_while_idle(ctx):
     import time
 
-    from test_horovod import stop, value
+    from hvd_helpers import stop, value
 
     from c10d_ext.horovod import agreed, mpi_ops
 
@@ -471,7 +471,7 @@ def body_hvd_untimed_list_while_idle(ctx):
 
 @pytest.mark.parametrize("size", [1, 2])
 def test_hvd_untimed_list_open_while_the_sets_thread_idles(run, size):
-    from test_horovod import value
+    from hvd_helpers import value
 
     res = run(size, body_hvd_untimed_list_while_idle, timeout=60)
     for r, out in enumerate(res):
@@ -490,7 +490,7 @@ def _opt_data(q: int, step: int):
 
 
 def body_hvd_optimizer_untimed(ctx):
-    from test_horovod import stop
+    from hvd_helpers import stop
 
     from c10d_ext.horovod import controller as C
 
@@ -544,7 +544,7 @@ def test_distributed_optimizer_step_is_one_agreed_step_whatever_the_timer(run, s
 
 # ---- held ops in C++: names, the queued path's duplicate check, threads ------------------------
 def body_hvd_held_names(ctx):
-    from test_horovod import stop, value
+    from hvd_helpers import stop, value
 
     from c10d_ext.horovod import controller as C
 
@@ -574,7 +574,7 @@ def body_hvd_held_names(ctx):
 
 @pytest.mark.parametrize("size", [1, 2])
 def test_hvd_held_op_names_are_horovods_and_refused_while_held(run, size):
-    from test_horovod import value
+    from hvd_helpers import value
 
     from c10d_ext.horovod.exceptions import DUPLICATE_NAME
 
@@ -590,7 +590,7 @@ def body_hvd_held_threads(ctx, threads, rounds):
     import gc
     import threading
 
-    from test_horovod import stop, value
+    from hvd_helpers import stop, value
 
     hvd, _ = _warm_start(ctx)
     r = hvd.rank()
@@ -623,7 +623,7 @@ def test_hvd_held_ops_from_many_threads(run, size):
     """Threads interleave differently on every rank, so the ranks' pending lists differ and go on
     into the negotiation (each op handed from the list to a request) while other threads hold
     and wait: every value right, no hang."""
-    from test_horovod import value
+    from hvd_helpers import value
 
     threads, rounds = 3, 30
     res = run(size, body_hvd_held_threads, threads, rounds, timeout=180)
@@ -640,7 +640,7 @@ def test_hvd_held_ops_from_many_threads(run, size):
 # ---- held ops across hosts: the list's key rides on the negotiation's message -------------------
 def body_hvd_held_tcp(ctx):
     import c10d_ext.horovod as hvd
-    from test_horovod import quiet_heartbeat, stop, value
+    from hvd_helpers import quiet_heartbeat, stop, value
 
     from c10d_ext.horovod import controller as C
 
@@ -671,7 +671,7 @@ def body_hvd_held_tcp(ctx):
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_hvd_held_lists_across_hosts_agree_in_the_negotiation(run, size):
-    from test_horovod import value
+    from hvd_helpers import value
 
     # MYCCL_TRANSPORT=tcp: every group as if its ranks were on different hosts (no agreed op)
     res = run(size, body_hvd_held_tcp, env={"MYCCL_TRANSPORT": "tcp"}, timeout=120)

@@ -27,95 +27,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness  # noqa: E402
+from harness import assert_reports
+from cuda_helpers import DOUBLE, FAULTS, MODES, SHARED_GPU, WORLD, Report, _init, sync
 from expect import SHAPES, ALL_DTYPES, cases, inputs, COMPLEX, FLOATS, INTS, REDOPS, make, redop, reduce_all
-
-# Two processes on one GPU: distinct host identities (else NCCL refuses duplicate GPUs),
-# sockets over loopback, no intra-host shortcuts that assume distinct devices.
-SHARED_GPU = {
-    "NCCL_HOSTID": "host{rank}",
-    "NCCL_SOCKET_IFNAME": "lo",
-    "NCCL_P2P_DISABLE": "1",
-    "NCCL_SHM_DISABLE": "1",
-    "NCCL_IB_DISABLE": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "NCCL_DEBUG": "WARN",
-}
-# A world of its own for fault injection: an aborted communicator must not leak into other tests.
-FAULT_WORLD = dict(SHARED_GPU, MYCCL_TEST_WORLD="faults")
-
-DOUBLE_DEVICES = 2
-# The strict double: each rank's stream delays seeded differently; a hang is reported after 20 s
-# (every test that expects a peer to be missing uses a shorter group timeout).
-DOUBLE = {
-    "MYCCL_TEST_CUDA_DOUBLE": "1",
-    "MYCCL_TEST_CUDA_DOUBLE_SEED": "1{rank}",
-    "MYCCL_TEST_CUDA_DOUBLE_DEVICES": str(DOUBLE_DEVICES),
-    "MYCCL_TEST_CUDA_DOUBLE_HANG_MS": "20000",
-}
-DOUBLE_FAULTS = dict(DOUBLE, MYCCL_TEST_WORLD="faults")
-
-WORLD = {"gpu": SHARED_GPU, "double": DOUBLE}
-FAULTS = {"gpu": FAULT_WORLD, "double": DOUBLE_FAULTS}
-MODES = [pytest.param("double", id="double"), pytest.param("gpu", id="gpu", marks=pytest.mark.cuda)]
 
 LARGE_DTYPES = {torch.float32, torch.bfloat16, torch.int64}
 
 
 # ---- helpers (run inside the rank processes) -----------------------------------------------
-
-class Report(harness.Report):
-    """harness.Report, plus: under the double, every strictness violation is a failure."""
-
-    def __init__(self, ctx, mode="gpu"):
-        super().__init__(ctx)
-        self.mode = mode
-        if mode == "double":
-            import cuda_double
-
-            cuda_double.clear_violations()
-
-    def result(self):
-        if self.mode == "double":
-            # Whatever the engine did that real CUDA/NCCL would hang on or get wrong.
-            import cuda_double
-
-            sync(self.mode)
-            for v in cuda_double.violations():
-                self.failures.append(f"rank {self.rank}: strict double: {v}")
-            self.checks += 1
-        return self.checks, self.failures
-
-
-def _device(ctx, mode="gpu", index=None) -> torch.device:
-    if mode == "double":
-        import cuda_double
-
-        cuda_double.set_device(ctx.rank % DOUBLE_DEVICES if index is None else index)
-        return torch.device("cpu")
-    dev = torch.device("cuda", ctx.rank % torch.cuda.device_count() if index is None else index)
-    torch.cuda.set_device(dev)
-    return dev
-
-
-def sync(mode="gpu"):
-    if mode == "double":
-        import cuda_double
-
-        cuda_double.synchronize()
-    else:
-        torch.cuda.synchronize()
-
-
-def _init(ctx, compare: bool = False, timeout: float = 120.0, mode: str = "gpu", **options):
-    """myccl as the default group, and torch's "nccl" (gloo under the double) on the same ranks."""
-    import c10d_ext
-
-    dev = _device(ctx, mode)
-    ctx.init(timeout=timeout, pg_options=c10d_ext.Options(**options) if options else None)
-    ref = dist.new_group(backend="gloo" if mode == "double" else "nccl") if compare else None
-    return dev, ref
-
 
 def nccl_valid(op: str, dtype: torch.dtype) -> bool:
     """What myccl does on CUDA; everything else must raise ValueError before any rank hangs."""
@@ -736,7 +655,7 @@ def body_float8_needs_hopper(ctx):
 
 def test_float8_reductions_need_hopper(run):
     env = dict(DOUBLE, MYCCL_TEST_CUDA_DOUBLE_CAPABILITY="80", MYCCL_TEST_WORLD="sm80")
-    _assert_reports(run(2, body_float8_needs_hopper, timeout=120, world_env=env))
+    assert_reports(run(2, body_float8_needs_hopper, timeout=120, world_env=env))
 
 
 BODIES = [body_all_reduce, body_reduce_broadcast, body_all_gather, body_gather_scatter, body_reduce_scatter,
@@ -747,24 +666,24 @@ BODIES = [body_all_reduce, body_reduce_broadcast, body_all_gather, body_gather_s
 @pytest.mark.parametrize("body", BODIES, ids=[b.__name__[5:] for b in BODIES])
 def test_world1_every_op(run, body, mode):
     results = run(1, body, False, mode, timeout=300, world_env=WORLD[mode])
-    _assert_reports(results)
+    assert_reports(results)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("body", BODIES, ids=[b.__name__[5:] for b in BODIES])
 def test_world2_vs_reference(run, body, mode):
     results = run(2, body, True, mode, timeout=420, world_env=WORLD[mode])
-    _assert_reports(results)
+    assert_reports(results)
 
 
 @pytest.mark.cuda
 def test_graph_capture(run):
-    _assert_reports(run(2, body_graph_capture, timeout=180, world_env=SHARED_GPU))
+    assert_reports(run(2, body_graph_capture, timeout=180, world_env=SHARED_GPU))
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_ddp_matches_reference(run, mode):
-    _assert_reports(run(2, body_ddp, mode, timeout=180, world_env=WORLD[mode]))
+    assert_reports(run(2, body_ddp, mode, timeout=180, world_env=WORLD[mode]))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -781,8 +700,6 @@ def test_missing_peer_times_out(run, blocking, mode):
     assert "unusable" in res["later"][1], res["later"]
 
 
-_assert_reports = harness.assert_reports
-
 
 # ---- world size N (MYCCL_TEST_CUDA_WORLD=N) --------------------------------------------------
 # Kept apart on purpose (scripts/gpu_check.sh sets it on machines with several GPUs): every op at
@@ -796,4 +713,4 @@ CUDA_WORLD = int(os.environ.get("MYCCL_TEST_CUDA_WORLD") or 0)
 @pytest.mark.parametrize("body", BODIES, ids=[b.__name__[5:] for b in BODIES])
 def test_world_n_vs_nccl(run, body):
     env = {"NCCL_DEBUG": "WARN"} if torch.cuda.device_count() >= CUDA_WORLD else SHARED_GPU
-    _assert_reports(run(CUDA_WORLD, body, True, timeout=420, world_env=env))
+    assert_reports(run(CUDA_WORLD, body, True, timeout=420, world_env=env))

@@ -23,19 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_cuda import DOUBLE, DOUBLE_DEVICES, DOUBLE_FAULTS, FAULTS, MODES, WORLD, Report, _assert_reports, \
-    _device, _init, sync
+from cuda_helpers import DOUBLE, DOUBLE_DEVICES, FAULTS, MODES, WORLD, Report, _device, _init, counters, sync
+from harness import assert_reports
 
 TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 BIG = 1 << 20  # bytes: far above the double's (and NCCL's) buffering, so sends wait for receives
-
-
-def _counters(mode):
-    if mode != "double":
-        return None
-    import cuda_double
-
-    return cuda_double.counters()
 
 
 def _full(n, value, dev, dtype=torch.float32):
@@ -127,8 +119,8 @@ def body_p2p_patterns(ctx, mode):
         w.wait()
     rep.check(torch.equal(me_in.cpu(), _full(300, 50 + r, "cpu")), "batch with a send to self")
     rep.check(torch.equal(ring_in.cpu(), _full(300, 60 + prv, "cpu")), "batch ring")
-    c = _counters(mode)
-    if c is not None:
+    c = counters(mode)
+    if mode == "double":
         # the group's communicator (made by the batch) and one two-rank communicator per pair used
         pairs = {tuple(sorted((r, nxt))), tuple(sorted((r, prv)))} | ({(0, 1)} if r in (0, 1) else set())
         rep.check(c.get("comm_nranks_2", 0) == len({p for p in pairs if p[0] != p[1]}),
@@ -144,7 +136,7 @@ def test_p2p_patterns(run, size, mode):
         env = dict(WORLD[mode])  # ranks share GPUs through NCCL_HOSTID
     else:
         env = WORLD[mode]
-    _assert_reports(run(size, body_p2p_patterns, mode, timeout=240, world_env=env))
+    assert_reports(run(size, body_p2p_patterns, mode, timeout=240, world_env=env))
 
 
 # ---- barrier -------------------------------------------------------------------------------
@@ -170,7 +162,7 @@ def body_barrier_orders_device(ctx, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_barrier_orders_device_work(run, mode):
-    _assert_reports(run(2, body_barrier_orders_device, mode, timeout=120, world_env=WORLD[mode]))
+    assert_reports(run(2, body_barrier_orders_device, mode, timeout=120, world_env=WORLD[mode]))
 
 
 # ---- communicators: blocking by default, keyed by incarnation -------------------------------
@@ -179,7 +171,7 @@ def body_blocking_comms(ctx, mode, nonblocking):
     opts = {"nccl_nonblocking": True} if nonblocking else {}
     dev, _ = _init(ctx, mode=mode, **opts)
     rep = Report(ctx, mode)
-    before = _counters(mode)
+    before = counters(mode)
     for _ in range(5):
         t = _full(100, 1, dev)
         dist.all_reduce(t)
@@ -190,8 +182,8 @@ def body_blocking_comms(ctx, mode, nonblocking):
     for q in reqs:
         q.wait()
     rep.check(torch.equal(got.cpu(), _full(10, peer, "cpu")), "send/recv")
-    after = _counters(mode)
-    if after is not None:
+    after = counters(mode)
+    if mode == "double":
         made = {k: after.get(k, 0) - before.get(k, 0) for k in ("comms_blocking", "comms_nonblocking")}
         want = {"comms_blocking": 0 if nonblocking else 2, "comms_nonblocking": 2 if nonblocking else 0}
         rep.check(made == want, f"communicators made (group + pair): {made}, expected {want}")
@@ -201,7 +193,7 @@ def body_blocking_comms(ctx, mode, nonblocking):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
 def test_communicators_blocking_unless_asked(run, nonblocking, mode):
-    _assert_reports(run(2, body_blocking_comms, mode, nonblocking, timeout=120, world_env=WORLD[mode]))
+    assert_reports(run(2, body_blocking_comms, mode, nonblocking, timeout=120, world_env=WORLD[mode]))
 
 
 def body_incarnations(ctx, mode):
@@ -233,7 +225,7 @@ def body_incarnations(ctx, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_nccl_ids_follow_the_group_incarnation(run, mode):
-    _assert_reports(run(2, body_incarnations, mode, timeout=120, world_env=WORLD[mode]))
+    assert_reports(run(2, body_incarnations, mode, timeout=120, world_env=WORLD[mode]))
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -244,7 +236,7 @@ def body_premul_tensor_factor(ctx, mode):
     dev, _ = _init(ctx, mode=mode)
     rep = Report(ctx, mode)
     n = ctx.size
-    before = _counters(mode)
+    before = counters(mode)
     x = _full(1000, ctx.rank + 1, dev)
     dist.all_reduce(x, op=dist._make_nccl_premul_sum(torch.tensor(0.5 + ctx.rank, device=dev)))
     want = sum((r + 1) * (0.5 + r) for r in range(n))
@@ -252,8 +244,8 @@ def body_premul_tensor_factor(ctx, mode):
     y = _full(10, ctx.rank + 1, dev, torch.float64)
     dist.all_reduce(y, op=dist._make_nccl_premul_sum(2.0))
     rep.check(torch.allclose(y.cpu(), _full(10, 2.0 * sum(range(1, n + 1)), "cpu", torch.float64)), "float factor")
-    after = _counters(mode)
-    if after is not None:
+    after = counters(mode)
+    if mode == "double":
         d = {k: after.get(k, 0) - before.get(k, 0) for k in ("premul_device", "premul_host")}
         rep.check(d == {"premul_device": 1, "premul_host": 1}, f"premul residences: {d}")
     return rep.result()
@@ -261,7 +253,7 @@ def body_premul_tensor_factor(ctx, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_premul_sum_tensor_factor_on_device(run, mode):
-    _assert_reports(run(2, body_premul_tensor_factor, mode, timeout=120, world_env=WORLD[mode]))
+    assert_reports(run(2, body_premul_tensor_factor, mode, timeout=120, world_env=WORLD[mode]))
 
 
 # ---- the launch path's economies --------------------------------------------------------------
@@ -281,7 +273,7 @@ def body_launch_economies(ctx, mode, record_streams):
     if mode == "double":  # float8 reductions ask for the device's compute capability
         dist.all_reduce(torch.ones(4, device=dev).to(torch.float8_e4m3fn))
     time.sleep(0.1)
-    before = _counters(mode)
+    before = counters(mode)
     rounds, per = 8, 8
     want = _full(4, n * (n + 1) // 2, "cpu")
     for k in range(rounds):
@@ -297,8 +289,8 @@ def body_launch_economies(ctx, mode, record_streams):
             f8 = torch.full((4,), float(ctx.rank + 1), device=dev).to(torch.float8_e4m3fn)
             dist.all_reduce(f8)
             rep.check(torch.equal(f8.float().cpu(), want), f"float8 all_reduce {k}: {f8.float().tolist()}")
-    after = _counters(mode)
-    if after is not None:
+    after = counters(mode)
+    if mode == "double":
         d = {k: after.get(k, 0) - before.get(k, 0) for k in ("events", "record_stream_calls", "capability_queries")}
         rep.check(d["capability_queries"] == 0, f"4 float8 all_reduces asked the device {d['capability_queries']} times")
         rep.check(d["events"] <= 2 * per, f"{rounds * per} asynchronous ops made {d['events']} events")
@@ -311,7 +303,7 @@ def body_launch_economies(ctx, mode, record_streams):
 @pytest.mark.parametrize("record_streams", [False, True], ids=["stash", "record-streams"])
 def test_launch_path_economies(run, mode, record_streams):
     env = dict(WORLD[mode], MYCCL_AVOID_RECORD_STREAMS="0" if record_streams else "1")
-    _assert_reports(run(2, body_launch_economies, mode, record_streams, timeout=120, world_env=env))
+    assert_reports(run(2, body_launch_economies, mode, record_streams, timeout=120, world_env=env))
 
 
 # ---- coalescing ------------------------------------------------------------------------------
@@ -370,7 +362,7 @@ def body_coalescing(ctx, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_coalescing_blocks(run, mode):
-    _assert_reports(run(2, body_coalescing, mode, timeout=120, world_env=WORLD[mode]))
+    assert_reports(run(2, body_coalescing, mode, timeout=120, world_env=WORLD[mode]))
 
 
 # ---- failures ----------------------------------------------------------------------------------
@@ -399,7 +391,7 @@ def body_abort_hooks_cuda(ctx, mode):
 @pytest.mark.skipif(TORCH < (2, 14), reason="abort hooks are a torch 2.14 API")
 @pytest.mark.parametrize("mode", MODES)
 def test_abort_hooks_run_on_cuda_failure(run, mode):
-    _assert_reports(run(2, body_abort_hooks_cuda, mode, timeout=120, world_env=FAULTS[mode]))
+    assert_reports(run(2, body_abort_hooks_cuda, mode, timeout=120, world_env=FAULTS[mode]))
 
 
 TEARDOWN_SCRIPT = textwrap.dedent("""
@@ -561,7 +553,7 @@ def body_flight_recorder(ctx, mode, dump_dir):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_flight_recorder_has_cuda_ops(run, mode, tmp_path):
-    _assert_reports(run(2, body_flight_recorder, mode, str(tmp_path), timeout=120, world_env=FAULTS[mode]))
+    assert_reports(run(2, body_flight_recorder, mode, str(tmp_path), timeout=120, world_env=FAULTS[mode]))
     assert any(tmp_path.iterdir()), "no flight recorder dump was written"
 
 
@@ -583,7 +575,7 @@ def body_eager_device_id(ctx):
 
 @pytest.mark.cuda
 def test_eager_init_with_device_id(run):
-    _assert_reports(run(2, body_eager_device_id, timeout=120, world_env=WORLD["gpu"]))
+    assert_reports(run(2, body_eager_device_id, timeout=120, world_env=WORLD["gpu"]))
 
 
 def body_split_on_gpu(ctx):
@@ -618,7 +610,7 @@ def body_split_on_gpu(ctx):
 @pytest.mark.skipif(TORCH < (2, 14), reason="torch < 2.14 splits through the backend's `options` and split "
                     "virtuals that myccl implements from 2.14 on (as the CPU split tests)")
 def test_split_group_on_gpu(run):
-    _assert_reports(run(2, body_split_on_gpu, timeout=120, world_env=WORLD["gpu"]))
+    assert_reports(run(2, body_split_on_gpu, timeout=120, world_env=WORLD["gpu"]))
 
 
 def body_desync_detail(ctx, mode):

@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from test_cuda import MODES, WORLD, Report, _assert_reports, _init
-from harness import one_thread
+from cuda_helpers import MODES, WORLD, Report, _init
+from harness import assert_reports, one_thread
 
 SMALL = 0.002  # MiB: 3-4 buckets for the model below
 
@@ -209,4 +209,4 @@ def body_ddp_device(ctx, mode, cfg):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_ddp_on_device_matches_torch(run, cfg, mode):
-    _assert_reports(run(2, body_ddp_device, mode, cfg, timeout=240, world_env=WORLD[mode]))
+    assert_reports(run(2, body_ddp_device, mode, cfg, timeout=240, world_env=WORLD[mode]))

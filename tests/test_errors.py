@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import Report, assert_reports, seq_number
+from harness import SHARED_GPU, Report, assert_reports, seq_number
 
 # A local argument check must not wait for anybody: well under the groups' timeouts (20 s), which
 # is what waiting for a peer would cost. (How fast checks are is the business of benchmarks.)
@@ -352,9 +352,8 @@ def body_cuda_without_nccl(ctx):
 
 @pytest.mark.cuda
 def test_cuda_tensor_with_or_without_nccl(run):
-    from test_cuda import WORLD  # two ranks may share one GPU: NCCL needs them on distinct "hosts"
-
-    assert_reports(run(2, body_cuda_without_nccl, timeout=120, world_env=WORLD["gpu"]))
+    # two ranks may share one GPU: NCCL needs them on distinct "hosts"
+    assert_reports(run(2, body_cuda_without_nccl, timeout=120, world_env=SHARED_GPU))
 
 
 def body_missing_rank_at_init(ctx):

@@ -7,66 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import assert_reports  # noqa: F401
+from cuda_helpers import DOUBLE
+from hvd_helpers import quiet_heartbeat, start, stop, value
 
 DTYPES_REDUCE = [torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DTYPES_MOVE = DTYPES_REDUCE + [torch.uint8, torch.int8, torch.int16]
 
 
-from c10d_ext.horovod import controller as _controller  # noqa: E402
-
-_HEARTBEAT = _controller.HEARTBEAT_SECONDS  # the product's, put back by stop()
-
-DOUBLE = {"MYCCL_TEST_CUDA_DOUBLE": "1"}
 # (world size, world env): 1-4 ranks on CPU, and 2 ranks whose tensors myccl's CUDA engine takes
 # (the strict CUDA double stands in for CUDA and NCCL)
 SIZES = [pytest.param(n, None, id=str(n)) for n in (1, 2, 3, 4)] + [pytest.param(2, DOUBLE, id="2-cuda-double")]
-
-
-def start(ctx, **kw):
-    import os
-
-    import c10d_ext.horovod as hvd
-
-    if os.environ.get("MYCCL_TEST_CUDA_DOUBLE") == "1":  # each thread that issues CUDA work selects a device
-        import cuda_double
-
-        import c10d_ext.horovod.controller as C
-
-        cuda_double.set_device(ctx.rank)
-        C.THREAD_INIT[:] = [lambda: cuda_double.set_device(ctx.rank)]
-    ctx.init()
-    hvd.init(**kw)
-    return hvd
-
-
-def quiet_heartbeat():
-    """For tests that count a set's cycles or ops exactly: no heartbeat cycle (which an idle set
-    runs once a second) lands among them. stop() turns it back on."""
-    import c10d_ext.horovod.controller as C
-
-    C.HEARTBEAT_SECONDS = float("inf")
-
-
-def stop(hvd):
-    import torch.distributed as dist
-
-    import c10d_ext.horovod.controller as C
-
-    hvd.shutdown()
-    C.THREAD_INIT.clear()
-    C.HEARTBEAT_SECONDS = _HEARTBEAT
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def value(r: int, dtype, shape=(5,), salt=0):
-    """Rank r's input: small integers so that every dtype holds the exact result."""
-    n = 1
-    for d in shape:
-        n *= d
-    base = (torch.arange(n) % 3 + r + 1 + salt).reshape(shape)
-    return base.to(dtype)
 
 
 # ---- basics -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from c10d_ext.horovod.adasum import SQRT_DBL_MIN, adasum_allreduce_, adasum_reference
+from cuda_helpers import DOUBLE, SHARED_GPU
 from harness import Report, assert_reports
 
 
@@ -358,8 +359,6 @@ def _double_world():
 
     if not cuda_double.available():
         pytest.skip("the CUDA test double is not built (MYCCL_BUILD_TESTS=1)")
-    from test_cuda import DOUBLE
-
     return DOUBLE
 
 
@@ -389,8 +388,6 @@ def body_gpu(ctx):
 @pytest.mark.cuda
 @pytest.mark.parametrize("size", [1, 2])
 def test_allreduce_on_gpu(run, size):
-    from test_cuda import SHARED_GPU
-
     _assert_same_everywhere(run(size, body_gpu, timeout=180, world_env=SHARED_GPU))
 
 

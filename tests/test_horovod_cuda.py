@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_horovod import DOUBLE, start, stop
+from cuda_helpers import DOUBLE, SHARED_GPU
+from hvd_helpers import start, stop
 
 SLOW_MS = 400  # a kernel that stands for much queued work (a producer, or the rest of backward)
 
@@ -194,8 +195,6 @@ def _gpu(ctx):
 
 @pytest.mark.cuda
 def test_cuda_discipline_on_a_gpu(run):
-    from test_cuda import SHARED_GPU
-
     size = 2
     for out in run(size, _gpu, timeout=300, world_env=SHARED_GPU):
         assert out["ready"] == [float(sum(r + 1 for r in range(size)))]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import Logged
-from test_horovod import start, stop
+from hvd_helpers import start, stop
 
 JOIN_ERRORS = {
     "allgather": "Allgather is not supported with Join at this time.",

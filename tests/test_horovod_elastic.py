@@ -21,7 +21,8 @@ import torch.nn.functional as F  # noqa: F401
 
 import c10d_ext.horovod as hvd  # noqa: F401
 from harness import assert_reports, join_or_kill  # noqa: F401
-from test_horovod_training import batches, close, expect_raise, hvd_body, mlp, state_close  # noqa: F401
+from hvd_helpers import ELASTIC_SAMPLES, batches, close, elastic_training, expect_raise, hvd_body, mlp, state_close, \
+    write_result
 
 # ---- elastic: states -----------------------------------------------------------------------------
 
@@ -297,84 +298,6 @@ def test_elastic_run_restores_and_retries(run):
 
 
 # ---- elastic: a rank dies, the survivors go on ----------------------------------------------------
-
-ELASTIC_GLOBAL_BATCH = 12  # divisible by every world size the job goes through (3, 2)
-ELASTIC_SAMPLES = 96  # 8 steps
-
-
-def elastic_data():
-    g = torch.Generator().manual_seed(11)
-    return torch.randn(ELASTIC_SAMPLES, 5, generator=g).double(), torch.randn(ELASTIC_SAMPLES, 3, generator=g).double()
-
-
-def elastic_reference(lr, momentum):
-    """One process: the sampler's order, 12 samples a step, the whole epoch."""
-    x, y = elastic_data()
-    order = list(range(ELASTIC_SAMPLES))
-    random.Random(0).shuffle(order)
-    model = mlp(0)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    for k in range(ELASTIC_SAMPLES // ELASTIC_GLOBAL_BATCH):
-        idx = order[k * ELASTIC_GLOBAL_BATCH:(k + 1) * ELASTIC_GLOBAL_BATCH]
-        opt.zero_grad()
-        F.mse_loss(model(x[idx]), y[idx]).backward()
-        opt.step()
-    return [p.detach().flatten().tolist() for p in model.parameters()]
-
-
-def elastic_training(hvd, result, hook_for=None, after_step=None) -> None:
-    """The elastic training both multi-process tests run: DistributedOptimizer, TorchState and
-    ElasticSampler, 12 samples a step over the world as it is, committing every 2 steps.
-    `hook_for(model, state)` may return a hook handle to remove after the step's backward;
-    `after_step(state)` runs after each step. Records steps, resets and the end in `result`."""
-    lr, momentum = 0.1, 0.9
-    x, y = elastic_data()
-    model = mlp(0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
-                                   named_parameters=model.named_parameters())
-    sampler = hvd.elastic.ElasticSampler(list(range(ELASTIC_SAMPLES)), shuffle=True, seed=0)
-    state = hvd.elastic.TorchState(model, opt, sampler=sampler, batch=0)
-    state.register_reset_callbacks([lambda: result["resets"].append(
-        {"size": hvd.size(), "rank": hvd.rank(), "batch": state.batch})])
-
-    @hvd.elastic.run
-    def train(state):
-        local = ELASTIC_GLOBAL_BATCH // hvd.size()
-        mine = list(state.sampler)
-        k = 0
-        while state.batch < ELASTIC_SAMPLES // ELASTIC_GLOBAL_BATCH:
-            idx = mine[k * local:(k + 1) * local]
-            hook = hook_for(model, state) if hook_for is not None else None
-            try:
-                opt.zero_grad()
-                F.mse_loss(model(x[idx]), y[idx]).backward()
-                opt.step()
-            finally:
-                if hook is not None:
-                    hook.remove()
-            result["steps"].append({"batch": state.batch, "size": hvd.size()})
-            state.sampler.record_batch(k, local)
-            state.batch += 1
-            k += 1
-            if state.batch % 2 == 0:
-                state.commit()
-            if after_step is not None:
-                after_step(state)
-
-    train(state)
-    result.update(params=[p.detach().flatten().tolist() for p in model.parameters()],
-                  reference=elastic_reference(lr, momentum), size=hvd.size(), new_rank=hvd.rank(),
-                  sampler=dict(sampler.state_dict(), num_replicas=sampler.num_replicas))
-
-
-def write_result(path: str, result: dict, error: BaseException | None) -> None:
-    if error is not None:
-        import traceback
-
-        result["error"] = f"{type(error).__name__}: {error}\n{''.join(traceback.format_exception(error))}"
-    with open(path, "w") as f:
-        json.dump(result, f)
-
 
 def elastic_worker(rank, size, port, out_dir, victim, kill_step, timeout_s):
     """One rank of the job (elastic_training); `victim` SIGKILLs itself in the backward of step

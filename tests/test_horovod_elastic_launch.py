@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from c10d_ext.horovod import run as hvdrun
 from c10d_ext.horovod.elastic import driver
+from hvd_helpers import same_as_one_process
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -73,7 +74,7 @@ sys.path.insert(0, {tests!r})
 import torch
 import torch.distributed as dist
 import c10d_ext.horovod as hvd
-from test_horovod_elastic import elastic_training, write_result
+from hvd_helpers import elastic_training, write_result
 
 out_dir, mode = sys.argv[1], sys.argv[2]
 wid = os.environ["MYCCL_HVD_WORKER_ID"]
@@ -136,14 +137,6 @@ def _results(out):
     return {p.stem: json.loads(p.read_text()) for p in out.glob("w*.json")}
 
 
-def _same_as_one_process(res):
-    import torch
-
-    got = [torch.tensor(p, dtype=torch.float64) for p in res["params"]]
-    want = [torch.tensor(p, dtype=torch.float64) for p in res["reference"]]
-    return all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(got, want))
-
-
 @pytest.mark.slow
 @needs_reconfigure
 def test_a_discovered_slot_gets_a_worker_that_joins_the_job(tmp_path):
@@ -169,7 +162,7 @@ def test_a_discovered_slot_gets_a_worker_that_joins_the_job(tmp_path):
         want = ([(b, 2) for b in range(4)] if wid != "w3" else []) + [(b, 3) for b in range(4, 8)]
         assert steps == want, (wid, steps)
         assert (res["size"], res["new_rank"]) == (3, {"w1": 0, "w2": 1, "w3": 2}[wid]), res
-        assert _same_as_one_process(res), wid
+        assert same_as_one_process(res), wid
 
 
 @pytest.mark.slow
@@ -190,7 +183,7 @@ def test_a_failed_worker_blacklists_its_host_and_the_job_succeeds(tmp_path):
         assert "error" not in res, (wid, res["error"])
         steps = [(s["batch"], s["size"]) for s in res["steps"]]
         assert steps == [(b, 3) for b in range(5)] + [(b, 2) for b in range(4, 8)], (wid, steps)
-        assert _same_as_one_process(res), wid
+        assert same_as_one_process(res), wid
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from c10d_ext.horovod import launch_env as L
+from hvd_helpers import same_as_one_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -339,7 +340,7 @@ import torch
 import torch.distributed as dist
 import c10d_ext.horovod as hvd
 from c10d_ext.horovod.elastic.state import State
-from test_horovod_elastic import elastic_training, write_result
+from hvd_helpers import elastic_training, write_result
 
 out_dir = sys.argv[1]
 wid = os.environ["MYCCL_HVD_WORKER_ID"]
@@ -394,8 +395,6 @@ def test_a_host_that_leaves_the_discovery_stops_its_worker_at_the_next_commit(tm
     the discovery stops printing 127.0.0.1: its worker (w3) is not terminated; the commit at batch
     4 raises HostsUpdatedInterrupt on all three (hosts removed: no sync), w3 leaves in the reset
     with status 0, and w1, w2 finish the epoch at 2 ranks with one process's parameters."""
-    from test_horovod_elastic_launch import _same_as_one_process
-
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost:2\n127.0.0.1:1\n")
     out = tmp_path / "out"
@@ -433,6 +432,6 @@ def test_a_host_that_leaves_the_discovery_stops_its_worker_at_the_next_commit(tm
         assert [(s["batch"], s["size"]) for s in res["steps"]] == [(b, 3) for b in range(4)] + [(b, 2) for b in range(4, 8)]
         assert res["resets"] == [{"size": 2, "rank": int(wid[1]) - 1, "batch": 4}], (wid, res["resets"])
         assert res["env_size"] == "2", res  # horovodrun's variables follow the reset
-        assert _same_as_one_process(res), wid
+        assert same_as_one_process(res), wid
         params.append(res["params"])
     assert params[0] == params[1]

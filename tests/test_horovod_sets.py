@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import ROOT, free_port
-from test_horovod import start, stop
+from hvd_helpers import start, stop
 
 DUP = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor "
        "that is currently being processed.  If you want to request another tensor, use a different "

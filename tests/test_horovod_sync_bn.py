@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import c10d_ext.horovod as hvd
 from harness import assert_reports
-from test_horovod_training import batches, close, expect_raise, hvd_body
+from hvd_helpers import close, expect_raise, hvd_body
 
 
 # ---- SyncBatchNorm -------------------------------------------------------------------------------

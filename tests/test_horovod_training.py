@@ -10,21 +10,17 @@ Every multi-rank check compares a rank's result with what a single process compu
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
-import random
-import signal
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import c10d_ext.horovod as hvd
-from harness import Report, assert_reports, one_thread
+from harness import assert_reports
+from hvd_helpers import batches, close, expect_raise, hvd_body, mlp, state_close
 
 STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
@@ -37,53 +33,6 @@ TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step t
 
 
 # ---- rank-body plumbing ----------------------------------------------------------------------
-
-def hvd_body(fn):
-    """fn(ctx, rep, *args) on every rank between ctx.init(); hvd.init() and hvd.shutdown();
-    dist.destroy_process_group(); returns the rank's Report result."""
-
-    @functools.wraps(fn)
-    def body(ctx, *args):
-        rep = Report(ctx)
-        ctx.init()
-        hvd.init()
-        try:
-            fn(ctx, rep, *args)
-        finally:
-            try:
-                hvd.shutdown()
-            finally:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-        return rep.result()
-
-    return one_thread(body)
-
-
-def expect_raise(rep, exc_type, text, fn, what):
-    """fn() raises exc_type whose str is `text` (any text if None)."""
-    try:
-        fn()
-    except exc_type as e:
-        rep.check(text is None or str(e) == text, f"{what}: message {str(e)!r}, expected {text!r}")
-        return
-    except Exception as e:  # noqa: BLE001
-        rep.fail(f"{what}: expected {exc_type.__name__}, got {type(e).__name__}: {e}")
-        return
-    rep.fail(f"{what}: expected {exc_type.__name__}, nothing raised")
-
-
-def close(rep, got, want, what, rtol=1e-9, atol=1e-11):
-    got, want = list(got), list(want)
-    if not rep.check(len(got) == len(want), f"{what}: {len(got)} tensors, expected {len(want)}"):
-        return
-    for i, (a, b) in enumerate(zip(got, want)):
-        a = a.detach().to_dense() if a.is_sparse else a.detach()
-        b = b.detach().to_dense() if b.is_sparse else b.detach()
-        ok = a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=rtol, atol=atol)
-        diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape and a.numel() else None
-        rep.check(ok, f"{what}[{i}]: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}, max diff {diff}")
-
 
 def same_object(a, b) -> bool:
     if torch.is_tensor(a) or torch.is_tensor(b):
@@ -102,20 +51,9 @@ def shard(t, rank, size):
 
 # ---- models and data -------------------------------------------------------------------------
 
-def mlp(seed=0, dtype=torch.float64):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
-
-
 def bn_model(seed):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
-
-
-def batches(steps, batch=12, seed=1, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 5, generator=g).to(dtype), torch.randn(batch, 3, generator=g).to(dtype))
-            for _ in range(steps)]
 
 
 class Branchy(nn.Module):
@@ -241,23 +179,6 @@ def stepped(make_opt, seed, steps):
         F.mse_loss(model(x), y).backward()
         opt.step()
     return model, opt
-
-
-def state_close(rep, got_opt, want_opt, what):
-    got, want = got_opt.state_dict(), want_opt.state_dict()
-    if not rep.check(got["state"].keys() == want["state"].keys(), f"{what}: state keys"):
-        return
-    for pid, st in want["state"].items():
-        g = got["state"][pid]
-        if not rep.check(g.keys() == st.keys(), f"{what}: param {pid} state keys {sorted(g)} vs {sorted(st)}"):
-            continue
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                close(rep, [g[k]], [v], f"{what}: param {pid} {k}", 0, 0)
-            else:
-                rep.check(g[k] == v and type(g[k]) is type(v), f"{what}: param {pid} {k}: {g[k]!r} vs {v!r}")
-    for gg, wg in zip(got["param_groups"], want["param_groups"]):
-        rep.check(gg == wg, f"{what}: param group {gg} vs {wg}")
 
 
 @hvd_body

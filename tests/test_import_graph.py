@@ -1,10 +1,14 @@
 """Within c10d_ext, modules depend one way: the graph of which module imports which has no cycle.
 Every `import` and `from ... import` counts, those inside functions too (a lazy import only hides
 a cycle). An import of a submodule runs its package's __init__ first; that implicit edge is left
-out (every package imports its own modules), the explicit imports of the package are not."""
+out (every package imports its own modules), the explicit imports of the package are not.
+
+The tests and benchmarks share code only through helper modules (harness.py and the per-layer
+helpers): no test module imports another test module."""
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "c10d_ext")
@@ -106,3 +110,33 @@ def test_the_scan_finds_a_cycle_through_a_lazy_import(tmp_path):
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     assert graph == {"p": set(), "p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": {"p.b"}}
     assert _cycles(graph) == [["p.a", "p.b"]]
+
+
+# `import test_x` / `from test_x import ...` / `from tests.test_x import ...`, also inside the
+# scripts that tests write out and run (strings), and as lazy imports inside functions.
+_TEST_IMPORT = re.compile(r"^[ \t]*(?:from|import)[ \t]+(?:[\w.]*\.)?(test_\w+)", re.M)
+
+
+def _test_imports(text: str) -> list[str]:
+    return _TEST_IMPORT.findall(text)
+
+
+def test_no_test_module_imports_another():
+    seen, found = 0, []
+    for top in ("tests", "benchmarks", "examples", "scripts"):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(d, f)
+                    seen += 1
+                    found += [f"{os.path.relpath(path, ROOT)} imports {m}" for m in _test_imports(open(path).read())]
+    assert seen > 10, "the scan found no Python files"
+    assert not found, ("what test modules share belongs in tests/harness.py or a layer's helper module "
+                       "(tests/*_helpers.py):\n" + "\n".join(found))
+
+
+def test_the_scan_finds_test_imports():
+    text = ("import harness\nfrom test_cuda import WORLD\ndef f():\n    import test_horovod as h\n"
+            "SCRIPT = \"\"\"\nfrom tests.test_wholememory import _reference\n\"\"\"\n"
+            "from cuda_helpers import MODES  # test_cuda's worlds\n")
+    assert _test_imports(text) == ["test_cuda", "test_horovod", "test_wholememory"]

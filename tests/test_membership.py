@@ -12,15 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cuda_helpers import DOUBLE
 from expect import make
 from harness import Report, assert_reports, open_sockets
-
-DOUBLE = {
-    "MYCCL_TEST_CUDA_DOUBLE": "1",
-    "MYCCL_TEST_CUDA_DOUBLE_SEED": "1{rank}",  # as tests/test_cuda.py: the same pooled world
-    "MYCCL_TEST_CUDA_DOUBLE_DEVICES": "2",
-    "MYCCL_TEST_CUDA_DOUBLE_HANG_MS": "20000",
-}
 
 
 def _check_group(rep, group, ranks, what, seed=1):

@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cuda_helpers import WORLD
 from harness import Report, assert_reports, free_port, one_thread
-from test_wholememory import _reference
+from wm_helpers import _reference
 
 TYPES = ["continuous", "chunked", "distributed"]
 ROWS = 13
@@ -634,10 +635,9 @@ def body_cuda(ctx, mode, tmp):
 @pytest.mark.parametrize("mode", [pytest.param("double", id="double"),
                                   pytest.param("gpu", id="gpu", marks=pytest.mark.cuda)])
 def test_cuda_locations(run, mode):
-    from test_cuda import DOUBLE, SHARED_GPU
 
     with tempfile.TemporaryDirectory() as tmp:
-        res = run(2, body_cuda, mode, tmp, world_env=DOUBLE if mode == "double" else SHARED_GPU, timeout=180)
+        res = run(2, body_cuda, mode, tmp, world_env=WORLD[mode], timeout=180)
     assert_reports([rep for rep, _ in res])
     assert all(not v for _, v in res), [v for _, v in res]
 

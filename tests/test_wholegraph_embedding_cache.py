@@ -12,24 +12,12 @@ import sys
 import pytest
 import torch
 
+from cuda_helpers import WORLD
 from harness import Report, assert_reports, one_thread
-from test_wholegraph_embedding import TYPES, _share, _unshare, body_optimizers, fill
 from wg_embedding_ref import DIM, HOT, LR, ROWS, STATES, Reference, batch, close, init_table, weights
+from wm_helpers import TYPES, _share, _unshare, body_optimizers, fill, start
 
 SET = 32  # lines per cache set
-
-
-def start(ctx, local_size: int, mode: str = "cpu"):
-    import c10d_ext.wholememory as wgth
-
-    wgth.finalize()
-    ctx.init(timeout=60)
-    if mode == "double":
-        import cuda_double
-
-        cuda_double.set_device(ctx.rank % 2)
-    wgth.init(ctx.rank, ctx.size, ctx.rank % local_size, local_size)
-    return wgth, wgth.get_global_communicator()
 
 
 def node_ids(step: int, node_ranks, rows: int):
@@ -46,7 +34,7 @@ def body_read_only(ctx, where: str, memory_type: str):
     """A read-only cache of hot rows of the whole table on this rank ("device") or shared by a
     node's ranks ("node", two ranks per node): which lookups it answers, what it loads, values."""
     local_size = 2 if where == "node" else ctx.size
-    wgth, comm = start(ctx, local_size)
+    wgth, comm = start(ctx, local_size=local_size)
     rep = Report(ctx)
     r, n = ctx.rank, ctx.size
     cache_comm = wgth.get_local_node_communicator() if where == "node" else wgth.get_local_device_communicator()
@@ -137,7 +125,7 @@ def _expect_raw(rep, emb, table_want, states_want, what):
 def body_read_write(ctx, memory_type, ratio, location, mode):
     """A trainable table with a read-write cache at the owners: lookups and steps use the cached
     rows (states too); the table gets them on write-back, on eviction and on drop."""
-    wgth, comm = start(ctx, ctx.size, mode)
+    wgth, comm = start(ctx, mode)
     rep = Report(ctx)
     r, n = ctx.rank, ctx.size
     table = init_table()
@@ -222,20 +210,14 @@ def test_read_write_cache(run, size, memory_type, ratio):
 
 # -- the CUDA double and a GPU ----------------------------------------------------------------------
 
-def _world(mode):
-    from test_cuda import DOUBLE, SHARED_GPU
-
-    return DOUBLE if mode == "double" else SHARED_GPU
-
-
 @pytest.mark.parametrize("memory_type,location", [("chunked", "cuda"), ("continuous", "cuda"),
                                                   ("distributed", "cpu")])
 def test_optimizers_on_cuda_double(run, memory_type, location):
-    assert_reports(run(2, body_optimizers, memory_type, location, "double", world_env=_world("double"), timeout=240))
+    assert_reports(run(2, body_optimizers, memory_type, location, "double", world_env=WORLD["double"], timeout=240))
 
 
 def test_read_write_cache_on_cuda_double(run):
-    assert_reports(run(2, body_read_write, "distributed", 0.125, "cuda", "double", world_env=_world("double"),
+    assert_reports(run(2, body_read_write, "distributed", 0.125, "cuda", "double", world_env=WORLD["double"],
                        timeout=240))
 
 
@@ -243,7 +225,7 @@ def test_read_write_cache_on_cuda_double(run):
 @pytest.mark.parametrize("memory_type,location", [("chunked", "cuda"), ("distributed", "cuda"),
                                                   ("continuous", "cpu")])
 def test_optimizers_on_gpu(run, memory_type, location):
-    assert_reports(run(2, body_optimizers, memory_type, location, "gpu", world_env=_world("gpu"), timeout=240))
+    assert_reports(run(2, body_optimizers, memory_type, location, "gpu", world_env=WORLD["gpu"], timeout=240))
 
 
 # -- the example ----------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cuda_helpers import WORLD
+from wm_helpers import _reference
 KINDS = ["HOST", "CHUNKED", "DISTRIBUTED", "DISTRIBUTED-exchange"]
 # DISTRIBUTED on one host reads rows where they lie (MYCCL_WM_DIRECT, the default); "-exchange"
 # runs the same tests through the exchange over the group, the path across hosts and on CUDA.
@@ -20,15 +22,6 @@ EXCHANGE = {"MYCCL_WM_DIRECT": "0"}
 
 def _kind_env(kind):
     return (kind.split("-")[0], EXCHANGE if kind.endswith("-exchange") else None)
-
-
-def _reference(rows: int, rest: tuple, dtype) -> torch.Tensor:
-    """What the whole table holds after every rank wrote its part: row i is i*1000 + column."""
-    cols = 1
-    for d in rest:
-        cols *= d
-    t = torch.arange(rows, dtype=torch.float64).unsqueeze(1) * 1000 + torch.arange(cols, dtype=torch.float64)
-    return t.view((rows,) + rest).to(dtype)
 
 
 def _fill_own_part(wm, t, rows, rest, dtype):
@@ -368,9 +361,8 @@ def body_distributed_cuda(ctx, mode):
 @pytest.mark.parametrize("mode", [pytest.param("double", id="double"),
                                   pytest.param("gpu", id="gpu", marks=pytest.mark.cuda)])
 def test_distributed_on_cuda(run, mode):
-    from test_cuda import DOUBLE, SHARED_GPU
 
-    res = run(2, body_distributed_cuda, mode, world_env=DOUBLE if mode == "double" else SHARED_GPU, timeout=120,
+    res = run(2, body_distributed_cuda, mode, world_env=WORLD[mode], timeout=120,
               env=EXCHANGE)  # on the double, CPU tensors stand for CUDA ones: no direct path there
     for bad, ran, violations in res:
         assert not bad, bad

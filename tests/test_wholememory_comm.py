@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cuda_helpers import WORLD
 from harness import Report, assert_reports, open_sockets
 
 EXCHANGE = {"MYCCL_WM_DIRECT": "0"}  # DISTRIBUTED through the exchange (the path across hosts)
@@ -583,9 +584,8 @@ def body_cuda(ctx, mode):
 @pytest.mark.parametrize("mode", [pytest.param("double", id="double"),
                                   pytest.param("gpu", id="gpu", marks=pytest.mark.cuda)])
 def test_cuda_memory_on_a_communicator(run, mode):
-    from test_cuda import DOUBLE, SHARED_GPU
 
-    assert_reports(run(2, body_cuda, mode, world_env=DOUBLE if mode == "double" else SHARED_GPU, timeout=120))
+    assert_reports(run(2, body_cuda, mode, world_env=WORLD[mode], timeout=120))
 
 
 def body_across_hosts(ctx):

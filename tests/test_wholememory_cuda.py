@@ -11,15 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_wholememory import _reference
-
-MODES = [pytest.param("double", id="double"), pytest.param("gpu", id="gpu", marks=pytest.mark.cuda)]
-
-
-def _world(mode):
-    from test_cuda import DOUBLE, SHARED_GPU
-
-    return DOUBLE if mode == "double" else SHARED_GPU
+from cuda_helpers import MODES, WORLD, counters
+from wm_helpers import _reference
 
 
 def _start(ctx, mode):
@@ -33,14 +26,6 @@ def _start(ctx, mode):
         cuda_double.set_device(ctx.rank % 2)
         return ctx.rank % 2, torch.device("cpu")  # the double's CUDA tensors are CPU tensors
     return 0, torch.device("cuda", 0)
-
-
-def _counters(mode):
-    if mode != "double":
-        return {}
-    import cuda_double
-
-    return cuda_double.counters()
 
 
 def _quiesce() -> None:
@@ -102,7 +87,7 @@ def body_device(ctx, mode, rows, dim):
     device, dev = _start(ctx, mode)
     r, n = ctx.rank, ctx.size
     fds = _memory_fds()
-    before = _counters(mode)
+    before = counters(mode)
     t = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.DEVICE)
     bad = []
     if not isinstance(t, torch.Tensor) or t.device != dev or not t.is_contiguous() or tuple(t.shape) != (rows, dim):
@@ -123,20 +108,20 @@ def body_device(ctx, mode, rows, dim):
         bad.append("a CPU view of DEVICE memory was given")
     except ValueError:
         pass
-    mapped = _counters(mode).get("mem_mapped", 0) - before.get("mem_mapped", 0)
+    mapped = counters(mode).get("mem_mapped", 0) - before.get("mem_mapped", 0)
     del t
     gc.collect()
     _quiesce()
     dist.barrier()
-    after = _counters(mode)
+    after = counters(mode)
     left = {k: after.get(k, 0) - before.get(k, 0) for k in ("mem_mapped", "mem_handles")}
-    return bad, mapped, left, _memory_fds() - fds, (_counters(mode).get("violations", 0) if mode == "double" else 0)
+    return bad, mapped, left, _memory_fds() - fds, (counters(mode).get("violations", 0) if mode == "double" else 0)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_device_on_double(run, n):
     # 1000 x 700 floats: 2.8 MB, two granules of the double's 2 MiB, so at 3-4 ranks some hold none
-    res = run(n, body_device, "double", 1000, 700, world_env=_world("double"), timeout=120)
+    res = run(n, body_device, "double", 1000, 700, world_env=WORLD["double"], timeout=120)
     for bad, mapped, left, fds, violations in res:
         assert not bad, bad
         assert mapped == min(n, 2), mapped  # every rank maps every rank's pages (and ranks with none add none)
@@ -146,7 +131,7 @@ def test_device_on_double(run, n):
 
 @pytest.mark.cuda
 def test_device_on_gpu(run):
-    res = run(2, body_device, "gpu", 1000, 700, world_env=_world("gpu"), timeout=120)
+    res = run(2, body_device, "gpu", 1000, 700, world_env=WORLD["gpu"], timeout=120)
     for bad, *_ in res:
         assert not bad, bad
 
@@ -167,7 +152,7 @@ def body_chunked(ctx, mode):
     first, count = t._meta.parts[-1]
     if count and not torch.equal(chunks[-1], -_reference(rows, (dim,), torch.float32)[first:].to(dev)):
         bad.append("the last chunk read directly differs")
-    return bad, _counters(mode).get("mem_mapped", 0), _counters(mode).get("violations", 0)
+    return bad, counters(mode).get("mem_mapped", 0), counters(mode).get("violations", 0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -175,7 +160,7 @@ def body_chunked(ctx, mode):
 def test_chunked_on_cuda(run, mode, n):
     if mode == "gpu" and n != 2:
         pytest.skip("one GPU: two ranks share it")
-    res = run(n, body_chunked, mode, world_env=_world(mode), timeout=120)
+    res = run(n, body_chunked, mode, world_env=WORLD[mode], timeout=120)
     for bad, mapped, violations in res:
         assert not bad, bad
         if mode == "double":
@@ -190,12 +175,12 @@ def body_host_view(ctx, mode):
     device, dev = _start(ctx, mode)
     r, n = ctx.rank, ctx.size
     rows, dim = 21, 3
-    before = _counters(mode).get("host_registered", 0)
+    before = counters(mode).get("host_registered", 0)
     t = wm.create_wm_tensor(None, [rows, dim], [], torch.float32, wm.WmTensorType.HOST)
     bad = []
     if t.device != dev:
         bad.append(f"HOST tensor on {t.device}, expected the device's view on {dev}")
-    registered = _counters(mode).get("host_registered", 0) - before
+    registered = counters(mode).get("host_registered", 0) - before
     host = wm.get_tensor_view(t, "cpu")
     if host.device.type != "cpu" or not wm.is_wm_tensor(host) or wm.get_tensor_view(t, "cuda") is not t:
         bad.append("views")
@@ -204,18 +189,18 @@ def body_host_view(ctx, mode):
     if not torch.equal(host, -_reference(rows, (dim,), torch.float32)):
         bad.append("the host copy does not hold what the device view wrote")
     explicit = wm.create_wm_tensor(None, [4, 2], [], torch.int64, wm.WmTensorType.HOST, device="cpu")
-    if explicit.device.type != "cpu" or _counters(mode).get("host_registered", 0) - before != registered:
+    if explicit.device.type != "cpu" or counters(mode).get("host_registered", 0) - before != registered:
         bad.append("device='cpu' still made a device view")
     del t, host, explicit
     gc.collect()
     _quiesce()
-    left = _counters(mode).get("host_registered", 0) - before
+    left = counters(mode).get("host_registered", 0) - before
     return bad, registered, left
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_host_cuda_view(run, mode):
-    res = run(2, body_host_view, mode, world_env=_world(mode), timeout=120)
+    res = run(2, body_host_view, mode, world_env=WORLD[mode], timeout=120)
     for bad, registered, left in res:
         assert not bad, bad
         if mode == "double":
@@ -244,9 +229,7 @@ def test_device_placement_errors_on_every_rank(run):
     """A rank that cannot place a DEVICE tensor on a CUDA device fails it on every rank (the
     others name it); CHUNKED, where the ranks disagree on host or CUDA memory, too; the group
     goes on."""
-    from test_cuda import DOUBLE
-
-    res = run(2, body_device_errors, True, world_env=DOUBLE, timeout=90)
+    res = run(2, body_device_errors, True, world_env=WORLD["double"], timeout=90)
     assert "a DEVICE tensor lives in CUDA memory; device='cpu' is not a CUDA device" in res[1][0], res[1]
     assert "rank 1 cannot place this tensor" in res[0][0] and "(rank 0)" in res[0][0], res[0]
     for out in res:
@@ -274,7 +257,7 @@ def body_kill(ctx):
     _start(ctx, "double")
     kinds = (wm.WmTensorType.DEVICE, wm.WmTensorType.CHUNKED, wm.WmTensorType.HOST)
     held = [wm.create_wm_tensor(None, [600, 1000], [], torch.float32, k) for k in kinds]
-    mapped = (_counters("double").get("mem_mapped", 0), _memory_fds())
+    mapped = (counters("double").get("mem_mapped", 0), _memory_fds())
     pids = [None] * ctx.size
     dist.all_gather_object(pids, str(os.getpid()))
     if ctx.rank == 1:
@@ -282,13 +265,13 @@ def body_kill(ctx):
     del held
     gc.collect()
     _quiesce()
-    c = _counters("double")
+    c = counters("double")
     left = (c.get("mem_mapped", 0), c.get("mem_handles", 0), c.get("host_registered", 0), _memory_fds())
     return mapped, left, [p for p in glob.glob("/dev/shm/myccl-*") if p.split("-")[1] in pids]
 
 
 def test_sigkill_leaves_nothing_mapped(run):
-    res = run(3, body_kill, world_env=_world("double"), timeout=120, expect_dead=(1,))
+    res = run(3, body_kill, world_env=WORLD["double"], timeout=120, expect_dead=(1,))
     for rank in (0, 2):
         mapped, left, shm = res[rank]
         assert mapped[0] >= 4 and mapped[1] >= 2, mapped  # DEVICE's two granules + CHUNKED's three chunks

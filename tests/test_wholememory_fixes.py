@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cuda_helpers import DOUBLE, SHARED_GPU
 def _swap_in_threads(n: int, timeout: float, silent: tuple = ()):
     """n mailboxes in this process, one thread each (the protocol is the processes' one: abstract
     sockets, SCM_RIGHTS); each sends a memfd holding its index. ``silent`` ones bind but never
@@ -84,12 +85,6 @@ def _double_start(ctx, timeout=60):
     return ctx.rank % 2
 
 
-def _double_world():
-    from test_cuda import DOUBLE
-
-    return DOUBLE
-
-
 def body_many_ranks(ctx):
     import c10d_ext.wholememory as wm
 
@@ -110,7 +105,7 @@ def body_many_ranks(ctx):
 @pytest.mark.slow
 def test_cuda_kinds_at_13_ranks(run):
     """DEVICE and CUDA CHUNKED made by 13 local ranks (more than a datagram queue holds), values read back."""
-    for out in run(13, body_many_ranks, world_env=_double_world(), timeout=300):
+    for out in run(13, body_many_ranks, world_env=DOUBLE, timeout=300):
         assert out == [True, True], out
 
 
@@ -151,7 +146,7 @@ def body_export_fails(ctx, kind_name):
 
 @pytest.mark.parametrize("kind", ["DEVICE", "CHUNKED"])
 def test_failed_export_fails_every_rank(run, kind):
-    res = run(3, body_export_fails, kind, world_env=_double_world(), timeout=120)
+    res = run(3, body_export_fails, kind, world_env=DOUBLE, timeout=120)
     for rank, (error, left, ok) in enumerate(res):
         assert error is not None and f"(rank {rank})" in error, (rank, error)
         if rank == 1:
@@ -325,7 +320,7 @@ def body_zero_filled(ctx):
 
 
 def test_every_kind_is_zero_filled(run):
-    for not_zero in run(3, body_zero_filled, world_env=_double_world(), timeout=120):
+    for not_zero in run(3, body_zero_filled, world_env=DOUBLE, timeout=120):
         assert not not_zero, not_zero
 
 
@@ -355,7 +350,7 @@ def body_release_syncs_every_device(ctx):
 
 
 def test_release_synchronises_every_device_given_access(run):
-    for synced, mapped in run(2, body_release_syncs_every_device, world_env=_double_world(), timeout=90):
+    for synced, mapped in run(2, body_release_syncs_every_device, world_env=DOUBLE, timeout=90):
         assert all(v >= 1 for v in synced.values()), synced
         assert mapped == 0, mapped
 
@@ -405,7 +400,7 @@ def body_host_view_again(ctx):
 
 
 def test_host_view_made_again_during_its_release(run):
-    for bad, left, violations in run(2, body_host_view_again, world_env=_double_world(), timeout=90):
+    for bad, left, violations in run(2, body_host_view_again, world_env=DOUBLE, timeout=90):
         assert not bad and not violations, (bad, violations)
         assert left == 0, left
 
@@ -450,7 +445,7 @@ def body_keeps_current_device(ctx, mode):
 
 
 def test_creation_keeps_the_current_device(run):
-    for moved in run(2, body_keeps_current_device, "double", world_env=_double_world(), timeout=90):
+    for moved in run(2, body_keeps_current_device, "double", world_env=DOUBLE, timeout=90):
         assert not moved, moved
 
 
@@ -458,7 +453,6 @@ def test_creation_keeps_the_current_device(run):
 def test_creation_keeps_the_current_device_on_gpus(run):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    from test_cuda import SHARED_GPU
 
     for moved in run(1, body_keeps_current_device, "gpu", world_env=SHARED_GPU, timeout=90):
         assert not moved, moved
