@@ -10,7 +10,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <numeric>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -96,7 +98,12 @@ std::vector<std::string> runRanks(const Run& run, const std::function<void(CollC
   return errors;
 }
 
+// Every case names itself through where(): what ran, for the report at the end
+// (tests/test_algorithms.py checks that each algorithm ran at every rank count and on both transports).
+std::map<std::string, std::set<std::string>> ran;
+
 std::string where(const char* algo, const Run& run, const std::string& detail = "") {
+  ran[algo].insert(std::to_string(run.n) + "/" + modeName(run.mode));
   return std::string(algo) + " n=" + std::to_string(run.n) + " " + modeName(run.mode) + (detail.empty() ? "" : " " + detail);
 }
 
@@ -510,6 +517,16 @@ int main() {
   testReduceScatter();
   testAlltoallBarrier();
   testFailures();
+  std::printf("ranks");
+  for (int n : kRankCounts) std::printf(" %d", n);
+  std::printf("\nmodes");
+  for (auto m : kModes) std::printf(" %s", modeName(m).c_str());
+  std::printf("\n");
+  for (const auto& [algo, cases] : ran) {
+    std::printf("ran %s:", algo.c_str());
+    for (const auto& c : cases) std::printf(" %s", c.c_str());
+    std::printf("\n");
+  }
   std::printf("%d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
