@@ -31,6 +31,7 @@ sys.exit(0 if req.name == "torch" and req.specifier.contains(torch.__version__.s
 EOF
 }
 
+t_install=$SECONDS
 if ! torch_ok; then
   echo "setup: installing $TORCH_SPEC into $VENV"
   "$VPY" -m pip install -q --upgrade pip
@@ -50,8 +51,12 @@ sys.exit(not all(m.version(p).startswith('$CUDA_VERSION.') for p in ('nvidia-cud
   fi
 fi
 
+echo "setup: install took $(( SECONDS - t_install )) s"
+
 # The extension: torch's BuildExtension with ninja, against the venv's torch (objects are kept
 # per torch version under build/, so switching back and forth recompiles nothing).
+t_build=$SECONDS
 MYCCL_BUILD_TESTS=${MYCCL_BUILD_TESTS:-1} MAX_JOBS=${MAX_JOBS:-$(nproc)} \
   "$VPY" -m pip install -q --no-build-isolation --no-deps -e .
+echo "setup: build took $(( SECONDS - t_build )) s"
 "$VPY" -c "import c10d_ext, json; print('c10d_ext built:', json.dumps(c10d_ext.build_info()))"
