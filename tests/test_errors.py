@@ -10,18 +10,13 @@ Backend objects, so myccl's own check is exercised too; `layer` says who answers
 
 from __future__ import annotations
 
-import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from harness import SHARED_GPU, Report, assert_reports, seq_number
-
-# A local argument check must not wait for anybody: well under the groups' timeouts (20 s), which
-# is what waiting for a peer would cost. (How fast checks are is the business of benchmarks.)
-FAST = 8.0
-
 
 def _be():
     return dist.group.WORLD._get_backend(torch.device("cpu"))
@@ -137,21 +132,20 @@ def _cases(ctx):
 
 
 def _ar_opts(timeout_ms):
-    from datetime import timedelta
-
     o = dist.AllreduceOptions()
     o.timeout = timedelta(milliseconds=timeout_ms)
     return o
 
 
 def _expect_error(rep: Report, ctx, name, fn, must, layer):
-    t0 = time.monotonic()
+    """A local check raises before any peer is involved. In body_bad_arguments the other ranks
+    wait on the store until the culprit has raised: a check that waited for a peer would end in
+    the group's timeout, whose error ("Timed out", a DistBackendError) fails the checks below."""
     try:
         fn()
     except (ValueError, RuntimeError) as e:
-        took = time.monotonic() - t0
         msg = str(e).split("\nException raised from")[0]
-        rep.check(took < FAST, f"{name}: took {took:.2f} s to raise (a local check must not wait)")
+        rep.check("Timed out" not in msg, f"{name}: waited for a peer instead of checking locally: {msg!r}")
         is_myccl = msg.startswith("myccl:")
         if layer == "myccl":
             rep.check(is_myccl, f"{name}: message does not start with 'myccl:': {msg!r}")
@@ -294,15 +288,14 @@ def body_recv_size_mismatch(ctx, smaller: bool):
         m = 500 if smaller else 2000
         guard = torch.full((m + 20,), -7.0)
         buf = guard[10:10 + m]
-        t0 = time.monotonic()
         try:
             dist.recv(buf, src=1)
             rep.fail(f"recv of 1000 floats into {m} raised nothing; got {buf[:5].tolist()}...")
         except (RuntimeError, ValueError) as e:
-            took = time.monotonic() - t0
             text = str(e).split("\nException raised from")[0]
             msg = text
-            rep.check(took < 8 / 2, f"size-mismatch error took {took:.1f} s (should not need the 8 s timeout)")
+            # the mismatch is seen on the message that arrived, not by running into the 8 s timeout
+            rep.check("Timed out" not in text, f"size mismatch ended in a timeout: {text!r}")
             rep.check("myccl" in text and "recv" in text, f"error does not name myccl/recv: {text!r}")
             rep.check("4000" in text or "1000" in text, f"error does not give the sent size: {text!r}")
             rep.check(str(m * 4) in text or str(m) in text, f"error does not give the receive size: {text!r}")
@@ -359,19 +352,23 @@ def test_cuda_tensor_with_or_without_nccl(run):
 def body_missing_rank_at_init(ctx):
     """init_process_group(store=S, timeout=T) with a rank that never comes gives up after T (the
     group's timeout), not after the store's own (60 s in this harness), naming that rank."""
+    store = ctx.store("missing_at_init")
     if ctx.rank == 2:
-        time.sleep(8)
-        return "absent", 0.0
-    t0 = time.monotonic()
+        store.wait(["gave_up"], timedelta(seconds=60))  # comes only after the others gave up
+        return "absent"
     try:
         ctx.init(timeout=2.0)
-        return "no error", time.monotonic() - t0
+        return "no error"
     except Exception as e:  # noqa: BLE001
-        return str(e), time.monotonic() - t0
+        return str(e)
+    finally:
+        store.add("gave_up_count", 1)
+        if store.add("gave_up_count", 0) == 2:
+            store.set("gave_up", "1")
 
 
 def test_a_rank_missing_at_init_is_named_within_the_group_timeout(run):
+    # The store's own timeout is 60 s here: an error that says 2000 ms is the group's.
     out = run(3, body_missing_rank_at_init, timeout=60)
-    for msg, took in out[:2]:
+    for msg in out[:2]:
         assert "Timed out after 2000 ms waiting for rank(s) 2 to publish their host identity" in msg, msg
-        assert took < 10, (took, msg)

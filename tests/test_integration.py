@@ -416,19 +416,22 @@ def body_work_api(ctx):
         # (the future completes a moment before the Work, as in gloo: check after wait())
         wk.wait()
         rep.check(wk.is_completed() and wk.is_success(), f"{name}: completed")
-    # wait(timeout) shorter than a late peer: raises, the op goes on and completes correctly
+    # wait(timeout) shorter than a late peer: raises, the op goes on and completes correctly.
+    # Rank 1 joins only once rank 0's wait(200 ms) has raised (the store tells it).
     t = torch.full((10,), float(r + 1))
+    late = ctx.store("late_peer")
     if r == 1:
-        time.sleep(1.0)
+        late.wait(["waited"], timedelta(seconds=60))
     w = dist.all_reduce(t, async_op=True)
     if r == 0:
-        t0 = time.monotonic()
         try:
             w.wait(timedelta(milliseconds=200))
-            rep.fail("wait(200 ms) returned although rank 1 was 1 s late")
+            rep.fail("wait(200 ms) returned although rank 1 had not joined")
         except Exception as e:  # noqa: BLE001
-            # It raised while rank 1 was still away: its own timeout ended it, not the op.
+            # Its own timeout ended the wait, not the op.
             rep.check("still in progress" in str(e), f"wait(timeout) error: {str(e)[:200]}")
+        rep.check(not w.is_completed(), "the all_reduce completed without rank 1")
+        late.set("waited", "1")
     w.wait()
     rep.check(torch.equal(t, torch.full((10,), total)), "all_reduce after an earlier wait(timeout)")
     # profiler: ranges named myccl:<op> with the input shapes
@@ -580,18 +583,15 @@ def body_absent_rank(ctx, transport):
     if r != absent:
         t = torch.ones(50_000)
         w = dist.all_reduce(t, async_op=True)
-        t0 = time.monotonic()
         try:
             w.wait()
             rep.fail("all_reduce with an absent rank completed")
         except Exception as e:  # noqa: BLE001
-            took = time.monotonic() - t0
             msg = str(e).splitlines()[0]
-            # not before its timeout; within it plus a margin for a loaded machine and torch's recorder dump
-            rep.check(2.0 <= took <= 3 + 30, f"all_reduce gave up after {took:.1f} s (timeout 3 s)")
             rep.check(isinstance(e, dist.DistBackendError), f"error type {type(e).__name__}")
             rep.check("myccl" in msg and "all_reduce" in msg, f"error does not name the op: {msg}")
-            rep.check("Timed out" in msg, f"error does not say Timed out: {msg}")
+            # the group's own timeout ended it
+            rep.check("Timed out after 3000 ms" in msg, f"error does not say Timed out after 3000 ms: {msg}")
             rep.check(f"rank {absent}" in msg, f"error does not name the absent rank {absent}: {msg}")
         rep.check(w.is_completed() and not w.is_success() and work_exception(w) is not None,
                   "failed Work: is_completed / is_success / exception()")
@@ -601,26 +601,26 @@ def body_absent_rank(ctx, transport):
         except Exception:  # noqa: BLE001
             pass
         rep.check(be.get_error() == ErrorType.TIMEOUT, f"get_error() after a timeout: {be.get_error()}")
-        t0 = time.monotonic()
         try:
             dist.all_reduce(torch.ones(3))
             rep.fail("the group accepted an op after a timeout")
         except Exception as e:  # noqa: BLE001
-            # refused at once, not after another timeout (the group's is 3 s)
-            rep.check(time.monotonic() - t0 < 3.0, "the refusal after a failure waited for a timeout")
+            # refused for the earlier failure (which it quotes), not after a timeout of its own
+            own, _, earlier = str(e).partition("unusable after an earlier failure")
+            rep.check(bool(earlier) and "Timed out" not in own, f"refusal after a failure: {str(e)[:300]}")
             rep.check("myccl" in str(e), f"refusal does not name myccl: {str(e)[:200]}")
         store.add("failed", 1)
     else:
         while int(store.add("failed", 0)) < n - 1:
             time.sleep(0.05)
-        # the absent rank arrives late: it must not hang for long either
-        t0 = time.monotonic()
+        # the absent rank arrives late: it learns from the peers that gave up, not by its own timeout
         try:
             dist.all_reduce(torch.ones(50_000))
             rep.fail("the late rank's all_reduce completed although its peers gave up")
         except Exception as e:  # noqa: BLE001
             msg = str(e).splitlines()[0]
-            rep.check(time.monotonic() - t0 <= 5, f"late rank waited {time.monotonic() - t0:.1f} s")
+            own, _, peers = msg.partition("closed its connections")
+            rep.check(bool(peers) and "Timed out" not in own, f"the late rank waited out its own timeout: {msg[:300]}")
             rep.check("myccl" in msg and "all_reduce" in msg and ("rank 0" in msg or "rank 1" in msg),
                       f"late rank's error does not say which peer gave up: {msg}")
     dist.destroy_process_group()
@@ -645,17 +645,17 @@ def body_set_timeout(ctx):
         dist.group.WORLD.set_timeout(timedelta(seconds=2))
     rep.check(be.timeout == timedelta(seconds=2), f"backend timeout after set_timeout: {be.timeout}")
     _smoke(rep, ctx, "after set_timeout")
+    store = ctx.store("set_timeout")
     if ctx.rank == 0:
-        t0 = time.monotonic()
         try:
             dist.all_reduce(torch.ones(4))
             rep.fail("all_reduce without peers completed")
         except Exception as e:  # noqa: BLE001
-            took = time.monotonic() - t0
-            rep.check(1.5 <= took <= 2 + 30, f"set_timeout(2 s) but the op gave up after {took:.1f} s")
-            rep.check("2000 ms" in str(e), f"error does not give the new timeout: {str(e).splitlines()[0]}")
+            # the new timeout ended it (the group was made with 60 s)
+            rep.check("Timed out after 2000 ms" in str(e), f"error does not give the new timeout: {str(e).splitlines()[0]}")
+        store.set("gave_up", "1")
     else:
-        time.sleep(6)  # stays away
+        store.wait(["gave_up"], timedelta(seconds=60))  # stays away until rank 0 gave up
     return rep.result()
 
 
@@ -678,13 +678,12 @@ def body_abort(ctx):
         except Exception as e:  # noqa: BLE001
             rep.check("abort" in str(e).lower() or "myccl" in str(e), f"error after abort: {str(e)[:200]}")
     else:
-        t0 = time.monotonic()
         try:
             dist.all_reduce(torch.ones(2))
             rep.fail("all_reduce completed although rank 0 aborted")
         except Exception as e:  # noqa: BLE001
-            took = time.monotonic() - t0
-            rep.check(took < 15, f"peer of an aborted rank waited {took:.1f} s")
+            # learned from rank 0's abort, not from its own 60 s timeout
+            rep.check("Timed out" not in str(e), f"peer of an aborted rank waited out its timeout: {str(e)[:200]}")
             rep.check("rank 0" in str(e), f"error does not name rank 0: {str(e).splitlines()[0]}")
             err = _cpu_backend().get_error()
             rep.check(err == ErrorType.COMM_ERROR or err == ErrorType.REMOTE_ERROR,

@@ -280,22 +280,20 @@ def body_peer_leaves_while_receiving(ctx, transport):
         return ""
     w = dist.irecv(torch.empty(10), src=1, tag=3, group=g)
     dist.barrier()
-    t0 = time.monotonic()
     try:
         w.wait()
         err = "no error"
     except Exception as e:  # noqa: BLE001
         err = str(e)
-    took = time.monotonic() - t0
     dist.barrier()
-    return err, took
+    return err
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_peer_leaving_fails_a_receive_with_its_reason(run, transport):
-    err, took = run(2, body_peer_leaves_while_receiving, transport, timeout=60)[0]
+    err = run(2, body_peer_leaves_while_receiving, transport, timeout=60)[0]
     assert "rank 1 left the group and closed its connections: it shut down its process group" in err, err
-    assert took < 10, took
+    assert "Timed out" not in err, err  # the peer's leaving ended it, not the group's 30 s timeout
 
 
 def body_mailbox(ctx):
@@ -604,25 +602,21 @@ def body_recv_timeout(ctx):
     msg = None
     if ctx.rank == 0:
         buf = torch.zeros(10)
-        t0 = time.monotonic()
         try:
             dist.recv(buf, src=1, tag=9)
             rep.fail("recv from a silent peer returned")
         except Exception as e:  # noqa: BLE001
-            took = time.monotonic() - t0
             msg = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-            rep.check(2.5 <= took <= 3 + 30, f"recv gave up after {took:.1f} s (timeout 3 s)")
             rep.check(isinstance(e, dist.DistError), f"not a torch.distributed error: {msg}")
-            rep.check("myccl" in msg and "recv" in msg and "Timed out" in msg, f"unclear timeout error: {msg}")
+            rep.check("myccl" in msg and "recv" in msg, f"error does not name the op: {msg}")
+            rep.check("Timed out in wait() after 3000 ms" in msg, f"not ended by the group's 3 s timeout: {msg}")
         # irecv + wait() without a timeout: also bounded by the group timeout
         w = dist.irecv(torch.zeros(10), src=1, tag=10)
-        t0 = time.monotonic()
         try:
             w.wait()
             rep.fail("irecv.wait() from a silent peer returned")
         except Exception as e:  # noqa: BLE001
-            took = time.monotonic() - t0
-            rep.check(2.0 <= took <= 3 + 30, f"irecv.wait() gave up after {took:.1f} s")
+            rep.check("Timed out in wait() after 3000 ms" in str(e), f"irecv.wait(): {str(e).splitlines()[0]}")
             rep.check(not w.is_success() and work_exception(w) is not None, "failed irecv: is_success/exception")
         store.set("timed-out", "1")
         got = torch.zeros(10)
@@ -653,15 +647,13 @@ def body_wait_with_timeout(ctx):
     if ctx.rank == 0:
         buf = torch.zeros(100)
         w = dist.irecv(buf, src=1)
-        t0 = time.monotonic()
         try:
             w.wait(timedelta(milliseconds=300))
             rep.fail("wait(300 ms) returned before anybody sent")
         except Exception as e:  # noqa: BLE001
-            took = time.monotonic() - t0
-            # not before the 300 ms, and well before the group's timeout (30 s) would have ended it
-            rep.check(0.2 <= took < 15, f"wait(300 ms) raised after {took:.2f} s")
-            rep.check("myccl" in str(e) and "Timed out" in str(e), f"wait(timeout) error: {str(e).splitlines()[0]}")
+            # wait()'s own 300 ms ended it, not the group's timeout (30 s)
+            rep.check("myccl" in str(e) and "Timed out in wait() after 300 ms" in str(e),
+                      f"wait(timeout) error: {str(e).splitlines()[0]}")
         rep.check(not w.is_completed(), "irecv completed although nothing was sent")
         store.set("go", "1")
         w.wait()
