@@ -1,10 +1,12 @@
 # Sourced by .ci/run: each stage of CI is timed, its time printed when it ends, and a table of every
-# stage with the total at the end. CI has a budget (CI_BUDGET_S, 45 minutes): once the total
-# passes it, CI stops there and says so, with the table, rather than running on.
+# stage with the total at the end. CI has a budget (CI_BUDGET_S, 45 minutes, half of CI's hard
+# limit): past it every later stage and the table say so, loudly, but CI goes on. A slow machine
+# must not fail a change whose tests pass; the warning is for whoever reads the log next
+# (docs/DECISIONS.md, "CI's budget").
 #
 #   ci_stage NAME COMMAND...   runs COMMAND; prints "CI: NAME took M:SS (total M:SS)"; a failing
 #                              COMMAND ends CI with its status, after the table
-#   ci_summary                 the table and the total; fails if the total is over the budget
+#   ci_summary                 the table and the total, with a warning if it is over the budget
 #
 # CI_CLOCK (default `date +%s`) gives the time in seconds: tests/test_ci_stages.py drives the
 # table with a clock of its own.
@@ -28,10 +30,8 @@ ci_table() {
   printf '  %-50s %8s (budget %s)\n' "total" "$(ci_mmss "$1")" "$(ci_mmss "$CI_BUDGET_S")"
 }
 
-ci_over_budget() {  # ci_over_budget TOTAL: the failure, named, with the table
-  ci_table "$1"
-  echo "CI: FAILED: $(ci_mmss "$1") is over the budget of $(ci_mmss "$CI_BUDGET_S") (CI_BUDGET_S=$CI_BUDGET_S)"
-  return 1
+ci_over_budget() {  # ci_over_budget TOTAL: the warning
+  echo "CI: WARNING: OVER BUDGET: $(ci_mmss "$1") is over the budget of $(ci_mmss "$CI_BUDGET_S") (CI_BUDGET_S=$CI_BUDGET_S)"
 }
 
 ci_stage() {
@@ -50,15 +50,15 @@ ci_stage() {
     exit "$rc"
   fi
   if [ $(( t1 - CI_START )) -gt "$CI_BUDGET_S" ]; then
-    ci_over_budget $(( t1 - CI_START )) || exit 1
+    ci_over_budget $(( t1 - CI_START ))
   fi
 }
 
 ci_summary() {
   local total=$(( $(ci_now) - CI_START ))
-  if [ "$total" -gt "$CI_BUDGET_S" ]; then
-    ci_over_budget "$total" || exit 1
-  fi
   ci_table "$total"
+  if [ "$total" -gt "$CI_BUDGET_S" ]; then
+    ci_over_budget "$total"
+  fi
   echo "CI: finished in $(ci_mmss "$total")"
 }

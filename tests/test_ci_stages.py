@@ -1,6 +1,6 @@
 """.ci/stages.sh, CI's stage timer, on a clock of the test's own (CI_CLOCK): each stage's time and
-the running total as it ends, the table at the end, a clear failure past the budget or when a
-stage fails, and nothing run after either. .ci/run itself is not run here (it installs several
+the running total as it ends, the table at the end, a loud warning past the budget (CI goes on),
+a failing stage ends CI with nothing run after it. .ci/run itself is not run here (it installs several
 torch releases); the test checks that every make command in it is a timed stage."""
 
 import os
@@ -35,18 +35,18 @@ def test_each_stage_and_the_total_are_printed(tmp_path):
     assert "CI: finished in 26:35" in out, out
 
 
-def test_past_the_budget_ci_stops_and_says_so(tmp_path):
+def test_past_the_budget_ci_warns_and_goes_on(tmp_path):
     rc, out = _ci(tmp_path, 'ci_stage "build" advance 2000\nci_stage "tests" advance 800\n'
                   'ci_stage "older torch" advance 10\nci_summary')
-    assert rc == 1, out
-    assert "CI: FAILED: 46:40 is over the budget of 45:00" in out, out
+    assert rc == 0, out
+    assert "CI: WARNING: OVER BUDGET: 46:40 is over the budget of 45:00" in out, out
     assert re.search(r"^  tests +13:20$", out, re.M), out  # the table names where the time went
-    assert "older torch" not in out and "finished" not in out, out
+    assert "CI: older torch took 0:10" in out and "CI: finished in 46:50" in out, out
 
 
 def test_the_budget_is_checked_at_the_end_too(tmp_path):
     rc, out = _ci(tmp_path, 'ci_stage "tests" advance 50\nadvance 100\nci_summary', budget=120)
-    assert rc == 1 and "CI: FAILED: 2:30 is over the budget of 2:00 (CI_BUDGET_S=120)" in out, out
+    assert rc == 0 and "CI: WARNING: OVER BUDGET: 2:30 is over the budget of 2:00 (CI_BUDGET_S=120)" in out, out
 
 
 def test_a_failing_stage_ends_ci_with_its_status_and_the_table(tmp_path):
