@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from test_horovod import DOUBLE, start, stop
+from cuda_helpers import DOUBLE
+from hvd_helpers import start, stop
 
 
 def _threads():
