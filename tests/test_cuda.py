@@ -694,8 +694,7 @@ def test_missing_peer_times_out(run, blocking, mode):
     assert res["is_dist_error"], res["err"]
     name, msg = res["err"]
     assert "all_reduce #" in msg and "rank 0" in msg and "group '" in msg, msg
-    assert "Timed out after 3000 ms" in msg, msg
-    assert 2.5 < res["elapsed"] < 45, res["elapsed"]
+    assert "Timed out after 3000 ms" in msg, msg  # the group's timeout ended it, not the harness's
     assert res["later"] is not None and res["later_is_dist_error"], res["later"]
     assert "unusable" in res["later"][1], res["later"]
 

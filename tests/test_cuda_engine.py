@@ -451,7 +451,6 @@ def test_timeout_takes_the_process_down_by_default(handling, tmp_path):
     assert "still alive" not in out, "the process survived a timed-out CUDA op"
     assert procs[0].returncode == -signal.SIGABRT, (procs[0].returncode, errtext[-3000:])
     assert "Timed out after 2000 ms" in errtext and "taking the entire process down" in errtext, errtext[-3000:]
-    assert elapsed < 45, elapsed
 
 
 def body_creation_names_missing_rank(ctx, mode):
@@ -479,7 +478,6 @@ def test_communicator_creation_names_the_missing_rank(run, mode):
     res = run(2, body_creation_names_missing_rank, mode, timeout=120, world_env=FAULTS[mode])[0]
     assert res["err"] is not None and res["dist_error"], res
     assert "Timed out after 2000 ms waiting for rank(s) 1 to reach its first CUDA op" in res["err"], res["err"]
-    assert res["elapsed"] < 20, res
 
 
 def body_foreign_open_group(ctx):

@@ -509,13 +509,12 @@ def body_reconfigure(ctx):
     if r in (0, 1):
         hs = _exchange(ctx, "q5", [0, 1], pg.get_reconfigure_handle())
         ghost = "myccl:7:-1:0123456789abcdef"
-        t0 = time.monotonic()
         try:
             _reconfigure(pg, 5, hs + [ghost], timeout=3).wait()
             rep.fail("a reconfigure with a member that never comes completed")
         except Exception as e:  # noqa: BLE001
-            took = time.monotonic() - t0
-            rep.check("Timed out" in str(e) and "rank(s) 2" in str(e) and took < 15, f"ghost member ({took:.1f} s): {e}")
+            # (the reconfigure's own 3 s timeout ended it: its words say so)
+            rep.check("Timed out after 3000 ms" in str(e) and "rank(s) 2" in str(e), f"ghost member: {e}")
     dist.barrier()  # the default group is still the 3 of uuid 4
     _check_backend(rep, ctx, be, members, "after the failed reconfigure", 6)
     return rep.result()
