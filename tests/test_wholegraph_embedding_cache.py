@@ -15,7 +15,7 @@ import torch
 from cuda_helpers import WORLD
 from harness import Report, assert_reports, one_thread
 from wg_embedding_ref import DIM, HOT, LR, ROWS, STATES, Reference, batch, close, init_table, weights
-from wm_helpers import TYPES, _share, _unshare, body_optimizers, fill, start
+from wm_helpers import TYPES, _share, _unshare, body_optimizers, expect, fill, start
 
 SET = 32  # lines per cache set
 
@@ -110,6 +110,67 @@ def test_read_only_cache_on_each_rank(run, size, memory_type):
 @pytest.mark.parametrize("memory_type", ["continuous", "distributed"])
 def test_read_only_cache_shared_by_a_node(run, memory_type):
     assert_reports(run(4, body_read_only, "node", memory_type, timeout=240))
+
+
+@one_thread
+def body_lookups_answered_here(ctx, memory_type: str, exchange: bool):
+    """A read-only cache of this rank alone: a lookup that every rank's cache answers reads nothing
+    from the table; one rank's misses are read while the others' caches answer theirs; bad ids
+    on rank 0 fail on every rank where the table's lookup is collective (the exchange), on rank 0
+    alone where it is not (its parts mapped here, or continuous memory), and the job goes on."""
+    wgth, comm = start(ctx, ctx.size)
+    rep = Report(ctx)
+    r, n = ctx.rank, ctx.size
+    table = init_table()
+    policy = wgth.create_wholememory_cache_policy(wgth.get_local_device_communicator(), memory_type="continuous",
+                                                  memory_location="cpu", access_type="readonly", ratio=1.0)
+    emb = wgth.create_embedding(comm, memory_type, "cpu", torch.float32, [ROWS, DIM], cache_policy=policy)
+    fill(emb, table)
+    cache = emb.wmb_embedding.cache
+    reads = []
+    read = cache.raw_gather
+    cache.raw_gather = lambda ids: reads.append(ids.numel()) or read(ids)
+    warm = torch.arange(r % 3, ROWS, 3)
+    rep.check(torch.equal(emb.gather(warm), table[warm]), "warming lookup")
+    emb.set_adjust_cache(False)
+    del reads[:]
+    for _ in range(2):
+        rep.check(torch.equal(emb.gather(warm.flip(0)), table[warm.flip(0)]), "a lookup the cache answers")
+    rep.check(reads == [], f"every rank's lookups answered by its cache: the table read {reads}")
+    c = emb.cache_counters()
+    mine = warm if r == 0 else torch.arange(ROWS)  # rank 0's cache answers all, the others miss some
+    rep.check(torch.equal(emb.gather(mine), table[mine]), "rank 0 all hits, the others miss")
+    c2 = emb.cache_counters()
+    hit = int(torch.isin(mine, warm).sum())
+    rep.check((c2["hits"] - c["hits"], c2["misses"] - c["misses"]) == (hit, mine.numel() - hit), f"counts {c2}")
+    collective = exchange and memory_type == "distributed" and n > 1
+    want = [] if r == 0 and not collective else [0] if r == 0 else [mine.numel() - hit]
+    rep.check(reads == want, f"the table read {reads}, expected {want}")
+    bad = torch.tensor([1, ROWS + 2]) if r == 0 else warm
+    if r == 0:
+        expect(rep, "rank 0's bad id", lambda: emb.gather(bad), IndexError, "gather", f"rank {r}", f"{ROWS + 2}")
+    elif collective:
+        expect(rep, "rank 0's bad id seen by a peer", lambda: emb.gather(bad), ValueError, "gather", "rank 0")
+    else:
+        rep.check(torch.equal(emb.gather(bad), table[bad]), "a lookup beside rank 0's bad one")
+    rep.check(torch.equal(emb.gather(torch.arange(ROWS)), table), "the job goes on")
+    cache.raw_gather = read
+    wgth.destroy_embedding(emb)
+    wgth.finalize()
+    return rep.result()
+
+
+@pytest.mark.parametrize("memory_type,exchange", [("distributed", False), ("distributed", True),
+                                                  ("continuous", False)])
+@pytest.mark.parametrize("size", [2, 3])
+def test_read_only_lookups_answered_here(run, size, memory_type, exchange):
+    env = {"MYCCL_WM_DIRECT": "0"} if exchange else None
+    assert_reports(run(size, body_lookups_answered_here, memory_type, exchange, env=env, timeout=180))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_read_only_cache_through_the_exchange(run, size):
+    assert_reports(run(size, body_read_only, "device", "distributed", env={"MYCCL_WM_DIRECT": "0"}, timeout=180))
 
 
 def _expect_raw(rep, emb, table_want, states_want, what):

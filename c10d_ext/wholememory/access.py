@@ -303,13 +303,27 @@ def _direct_gather(t: DistributedTensor, indices) -> torch.Tensor:
     except (TypeError, ValueError, IndexError) as e:
         error = e
     agree_on_error("gather", m.group, error, BAD_PEER)
-    out = result_rows(idx.numel(), tuple(m.shape[1:]), m.dtype)
     try:
-        if idx.numel():
-            _C._wm_gather_rows(t._peers, m.parts[0][1], m.rows, m.stride[0], idx, out)
+        out = gather_in_place(t, idx)
     except RuntimeError as e:
         error = e
     agree_on_error("gather", m.group, error, "rank {rank} failed reading rows (its error says why)", RuntimeError)
+    return out
+
+
+def mapped_here(t) -> bool:
+    """Whether this rank can read every row of ``t``, a DISTRIBUTED tensor, where it lies (one
+    host and MYCCL_WM_DIRECT: every rank's part mapped here; every rank of the group alike)."""
+    return isinstance(t, DistributedTensor) and t._peers is not None and _dense_rows(t._meta)
+
+
+def gather_in_place(t: DistributedTensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` (checked, on the CPU) of a tensor that is mapped_here, read by this rank alone:
+    no collective, so nothing orders the read with the owners' writes (the caller's part)."""
+    m = t._meta
+    out = result_rows(idx.numel(), tuple(m.shape[1:]), m.dtype)
+    if idx.numel():
+        _C._wm_gather_rows(t._peers, m.parts[0][1], m.rows, m.stride[0], idx.contiguous(), out)
     return out
 
 

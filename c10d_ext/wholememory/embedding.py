@@ -7,8 +7,9 @@ optimizers (sgd, lazy adam, adagrad, rmsprop) and caches, with its names, argume
     module(ids).sum().backward()      # gradients kept with the embedding
     opt.step(lr)                      # collective: summed at each row's owner, one step per row
 
-Lookups of a distributed table, and every lookup of a cached embedding, are collective over the
-embedding's communicator (every rank calls, each with its own ids, zero included).
+Lookups of a distributed table, and lookups of a cached embedding, are collective over the
+embedding's communicator (every rank calls, each with its own ids, zero included); through a
+read-only cache of one rank, only where the table's own lookup is (docs/WHOLEMEMORY.md, Caches).
 """
 
 from __future__ import annotations

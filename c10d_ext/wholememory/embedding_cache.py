@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from .. import _C
 from . import device as device_mod
-from .embedding_exchange import Owners, rows_back, to_owners
+from .embedding_exchange import BAD_PEER, Owners, rows_back, to_owners
 from .tensor import WmTensorType, create_wm_tensor, fail, local_partition
-from .access import gather as seed_gather
+from .access import gather as seed_gather, result_rows
 
 __all__ = ["WholeMemoryCachePolicy", "create_wholememory_cache_policy", "destroy_wholememory_cache_policy",
            "create_builtin_cache_policy"]
@@ -334,10 +334,15 @@ class OwnerCache:
 class LocalCache:
     """The read-only cache: hot rows of the whole table in memory of the cache communicator (this
     rank's, or its host's shared by the host's ranks). ``raw_gather(ids)`` reads rows from the
-    table (collective over the embedding's group: every rank calls it once per lookup)."""
+    table; ``collective``: it is collective over the embedding's group ``table_group`` (every rank
+    calls it, with its own ids). Where it is, the ranks first agree in one small all-reduce
+    whether any of them has rows to read from the table (or bad input): a lookup every rank's
+    cache answers reads nothing from the table and exchanges nothing else."""
 
-    def __init__(self, policy: CachePolicy, rows: int, dim: int, dtype, raw_gather):
+    def __init__(self, policy: CachePolicy, rows: int, dim: int, dtype, raw_gather, table_group=None,
+                 collective: bool = False):
         self.policy, self.raw_gather = policy, raw_gather
+        self.table_group, self.collective = table_group, collective
         self.coverage = cov = policy.coverage
         group = self.group = policy.group
         cw = group.size()
@@ -372,6 +377,28 @@ class LocalCache:
         if self.group.size() > 1:
             dist.barrier(group=self.group)
 
+    def fetch(self, ids: torch.Tensor | None, error: BaseException | None = None) -> torch.Tensor | None:
+        """The table's rows ``ids`` (None when nothing was read). Every rank calls it where the
+        table's lookup is collective; a rank with ``error`` set takes part and raises it, the
+        others raise naming it."""
+        if self.collective:
+            g = self.table_group
+            flags = torch.zeros(g.size(), dtype=torch.int32)
+            flags[g.rank()] = 2 if error is not None else int(ids.numel() > 0)
+            dist.all_reduce(flags, group=g)
+            if error is not None:
+                raise error
+            bad = (flags == 2).nonzero()
+            if bad.numel():
+                fail("gather", g, BAD_PEER.format(rank=int(bad[0])))
+            if not bool(flags.any()):
+                return None  # no rank reads: nobody calls the table's collective lookup
+        elif error is not None:
+            raise error
+        elif not ids.numel():
+            return None
+        return self.raw_gather(ids)
+
     def adjust(self, ids: torch.Tensor) -> None:
         """Counts the accesses at the cache ranks whose sets they fall in, which refill those sets
         (the new rows read from the table, collectively)."""
@@ -384,33 +411,53 @@ class LocalCache:
             sets = torch.unique(torch.div(local, self.coverage, rounding_mode="floor"))
             _, (line, row) = refresh(self.my_tags, self.my_counts, self.my_slots, self.coverage, self.rows, sets,
                                      self.first_set * SET_SIZE)
-        rows = self.raw_gather(row + self.first_set * self.coverage)  # every rank calls
-        if line.numel():
+        rows = self.fetch(row + self.first_set * self.coverage)
+        if rows is not None and line.numel():
             put_rows(self.my_data, line - self.first_set * SET_SIZE, rows)
         self.counters.loaded += line.numel()
         if self.owners is not None:
             self._barrier()  # the sets are ready before anyone reads them
 
-    def gather(self, ids: torch.Tensor, adjust: bool, out_device) -> torch.Tensor:
+    def _lines(self, ids: torch.Tensor) -> torch.Tensor:
+        """The line of each row, -1 where it is not cached."""
+        ids = ids.to(self.device)
+        if self.owners is None:  # this rank's own cache: all of it is here
+            return self.my_slots.index_select(0, ids)
+        return seed_gather(self.slot_of, ids)
+
+    def _cached_rows(self, line: torch.Tensor) -> torch.Tensor:
+        if self.owners is None:
+            out = result_rows(line.numel(), tuple(self.my_data.shape[1:]), self.my_data.dtype, self.device)
+            return torch.index_select(self.my_data, 0, line, out=out)
+        return seed_gather(self.data, line)
+
+    def gather(self, ids: torch.Tensor | None, adjust: bool, out_device,
+               error: BaseException | None = None) -> torch.Tensor:
+        """The rows ``ids`` (checked), from the cache where it holds them, else from the table.
+        ``error``: this rank's ids were bad (only for a cache of this rank alone, whose ids no
+        one checked together): it fails here and on every rank of the table's group."""
+        if error is not None:
+            self.fetch(None, error)
         if adjust:
             self.adjust(ids)
-        line = seed_gather(self.slot_of, ids.to(self.device))
-        hit = line >= 0
-        h = int(hit.sum())
-        if h == ids.numel():
-            self.raw_gather(ids[:0])  # (every rank calls: others may miss)
-            out = seed_gather(self.data, line).to(out_device)
+        line = self._lines(ids)
+        n = ids.numel()
+        hit = None if not n or int(line.min()) >= 0 else line >= 0
+        h = n if hit is None else int(hit.sum())
+        if h == n:
+            self.fetch(ids[:0])  # (every rank takes part: others may miss)
+            out = self._cached_rows(line).to(out_device)
         else:
             miss = (~hit).nonzero().view(-1)
-            out = self.raw_gather(ids.index_select(0, miss.to(ids.device))).to(out_device)
+            out = self.fetch(ids.index_select(0, miss.to(ids.device))).to(out_device)
             if h:
                 at = hit.nonzero().view(-1)
-                full = torch.empty((ids.numel(),) + tuple(out.shape[1:]), dtype=out.dtype, device=out_device)
+                full = torch.empty((n,) + tuple(out.shape[1:]), dtype=out.dtype, device=out_device)
                 full.index_copy_(0, miss.to(out_device), out)
-                full.index_copy_(0, at.to(out_device), seed_gather(self.data, line[at]).to(out_device))
+                full.index_copy_(0, at.to(out_device), self._cached_rows(line[at]).to(out_device))
                 out = full
         self.counters.hits += h
-        self.counters.misses += ids.numel() - h
+        self.counters.misses += n - h
         return out
 
     def writeback(self) -> None:

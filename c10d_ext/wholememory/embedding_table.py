@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import embedding_optimizer as rules
+from . import access, embedding_optimizer as rules
 from .embedding_cache import LocalCache, OwnerCache, check_memory, compute_device, group_of, put_rows, take_rows
 from .embedding_exchange import Owners, check_ids, to_owners
 from .wg_tensor import create_wholememory_tensor
@@ -152,7 +152,12 @@ class EmbeddingImpl:
             self.cache = OwnerCache(p, self.owners, self.dim, self.dtype, self.local, device)
             self.device = device
         else:
-            self.cache = LocalCache(p, self.rows, self.dim, self.dtype, self.raw_gather)
+            read, collective = self.raw_gather, self.memory_type == "distributed" and self.group.size() > 1
+            seed = self.table.wmb_tensor
+            if collective and p.group.size() == 1 and access.mapped_here(seed):
+                # every part mapped here: this rank's own cache reads its misses alone, in place
+                read, collective = (lambda ids: access.gather_in_place(seed, ids)), False
+            self.cache = LocalCache(p, self.rows, self.dim, self.dtype, read, self.group, collective)
 
     @property
     def collective(self) -> bool:
@@ -183,16 +188,15 @@ class EmbeddingImpl:
             except (TypeError, ValueError, IndexError) as e:
                 error = e
             return self.cache.gather(op, ids, error, adjust)
-        if isinstance(self.cache, LocalCache) and not self.cache.shared and not self.rr:
-            # this rank's own cache: the table's lookup of misses is the only collective step, and
-            # bad ids fail there on every rank (no agreement of its own first)
+        if isinstance(self.cache, LocalCache) and not self.cache.shared:
+            # this rank's own cache: the ids are checked here, and bad ones fail in the cache's
+            # first agreement on every rank where the table's lookup is collective
+            error, ids = None, None
             try:
-                ids = check_ids(op, self.group, indice, bound, self.device, False)
-            except (TypeError, ValueError, IndexError):
-                if self.collective:
-                    self.table.gather(indice)  # raises here and, naming this rank, on the others
-                raise
-            return self.cache.gather(ids, adjust, self.device)
+                ids = self.storage_to_rows(check_ids(op, self.group, indice, bound, self.device, False))
+            except (TypeError, ValueError, IndexError) as e:
+                error = e
+            return self.cache.gather(ids, adjust, self.device, error)
         ids = self.storage_to_rows(check_ids(op, self.group, indice, bound, self.device, self.collective))
         if isinstance(self.cache, LocalCache):
             return self.cache.gather(ids, adjust, self.device)
