@@ -14,8 +14,9 @@ bytes per rank of table, gradient and optimizer state (from the tensors).
 
 Cached lookups: every rank looks up --lookup ids drawn from a hot set (--hot of the rows); a
 WholeMemoryEmbedding of distributed memory with a read-only cache on this rank (warmed once, then
-every lookup a hit) against the same table without a cache (the direct read of the parts on one
-host, and the exchange, the path across hosts) and index_select on a private copy (the limit).
+every lookup a hit) against the same table without a cache and index_select on a private copy
+(the limit, timed in the same rounds as each row, in turn first), each read two ways: one host
+(the parts read where they lie) and the exchange (the path across hosts, MYCCL_WM_DIRECT=0).
 
     python benchmarks/embedding_bench.py                        # 2 ranks, 1M rows x 128
     python benchmarks/embedding_bench.py --rows 200000 --world-size 2
@@ -121,55 +122,63 @@ def sparse_step(args, init, batches, group, gloo):
 
 
 def cached_lookups(wgth, comm, args, init, rank, gloo):
-    """Lookups of hot rows: (name -> (median seconds per lookup, hit fraction or None))."""
+    """Lookups of hot rows: (name -> (median seconds per lookup, hit fraction or None, median
+    seconds of index_select on the private copy in the same rounds))."""
     g = torch.Generator().manual_seed(7)
     hot = torch.randperm(args.rows, generator=g)[:max(1, int(args.rows * args.hot))]
     ids = hot[torch.randint(0, hot.numel(), (args.lookup,), generator=torch.Generator().manual_seed(8 + rank))]
     want = init.index_select(0, ids)
     out = {}
 
+    def limit():
+        return init.index_select(0, ids)
+
+    def timed(fn) -> float:
+        dist.barrier(group=gloo)
+        t0 = time.perf_counter()
+        for _ in range(args.reps):
+            fn()
+        return (time.perf_counter() - t0) / args.reps
+
     def run(name, fn, emb=None):
+        """Each round times fn and the limit (in turn first), so that both see the same load."""
         if not torch.equal(fn(), want):
             raise AssertionError(f"{name}: wrong rows (rank {rank})")
         before = emb.cache_counters() if emb is not None else None
-        ts = []
-        for _ in range(args.rounds):
-            dist.barrier(group=gloo)
-            t0 = time.perf_counter()
-            for _ in range(args.reps):
-                fn()
-            ts.append((time.perf_counter() - t0) / args.reps)
+        ts, lim = [], []
+        for i in range(args.rounds):
+            pair = [(ts, fn), (lim, limit)]
+            for acc, f in (pair if i % 2 == 0 else pair[::-1]):
+                acc.append(timed(f))
         hits = None
         if before is not None:
             after = emb.cache_counters()
             asked = (after["hits"] + after["misses"]) - (before["hits"] + before["misses"])
             hits = (after["hits"] - before["hits"]) / asked
-        out[name] = (statistics.median(ts), hits)
+        out[name] = (statistics.median(ts), hits, statistics.median(lim))
 
-    run("index_select (private copy)", lambda: init.index_select(0, ids))
-    for env, label in (("1", "direct"), ("0", "exchange")):
+    run("index_select (private copy)", limit)
+    for env, label in (("1", "one host"), ("0", "exchange")):
         os.environ["MYCCL_WM_DIRECT"] = env  # (read when a tensor is made, alike on every rank)
         emb = wgth.create_embedding(comm, "distributed", "cpu", torch.float32, [args.rows, args.dim])
+        policy = wgth.create_wholememory_cache_policy(wgth.get_local_device_communicator(), memory_type="continuous",
+                                                      memory_location="cpu", access_type="readonly",
+                                                      ratio=args.cache_ratio)
+        cached = wgth.create_embedding(comm, "distributed", "cpu", torch.float32, [args.rows, args.dim],
+                                       cache_policy=policy)
         os.environ.pop("MYCCL_WM_DIRECT")
-        local, first = emb.get_embedding_tensor().get_local_tensor()
-        local.copy_(init[first:first + local.shape[0]])
+        for e in (emb, cached):
+            local, first = e.get_embedding_tensor().get_local_tensor()
+            local.copy_(init[first:first + local.shape[0]])
         comm.barrier()
         run(f"no cache, distributed ({label})", lambda: emb.gather(ids))
-        if label == "exchange":
-            policy = wgth.create_wholememory_cache_policy(wgth.get_local_device_communicator(),
-                                                          memory_type="continuous", memory_location="cpu",
-                                                          access_type="readonly", ratio=args.cache_ratio)
-            cached = wgth.create_embedding(comm, "distributed", "cpu", torch.float32, [args.rows, args.dim],
-                                           cache_policy=policy)
-            local, first = cached.get_embedding_tensor().get_local_tensor()
-            local.copy_(init[first:first + local.shape[0]])
-            comm.barrier()
-            cached.gather(ids)  # warms the cache (counts the accesses, loads the rows)
-            cached.set_adjust_cache(False)
-            run("read-only cache on this rank (warm)", lambda: cached.gather(ids), cached)
+        cached.gather(ids)  # warms the cache (counts the accesses, loads the rows)
+        cached.set_adjust_cache(False)
+        run(f"read-only cache on this rank, warm ({label})", lambda: cached.gather(ids), cached)
+        if label == "one host":
             cached.set_adjust_cache(True)
-            run("read-only cache, counting accesses", lambda: cached.gather(ids), cached)
-            wgth.destroy_embedding(cached)
+            run(f"read-only cache, counting accesses ({label})", lambda: cached.gather(ids), cached)
+        wgth.destroy_embedding(cached)
         wgth.destroy_embedding(emb)
         gc.collect()
     return out
@@ -195,27 +204,37 @@ def worker(args) -> dict:
             print(f"  {name}: {statistics.median(times) * 1e3:.1f} ms", flush=True)
         gc.collect()
 
-    record("WholeMemoryEmbedding, sgd", *wholememory_step(wgth, comm, args, init, batches, gloo, "sgd"))
-    t, b, _ = wholememory_step(wgth, comm, args, init, batches, gloo, "adam")
-    record("WholeMemoryEmbedding, lazy adam", t, b)
-    for label, group in (("myccl", None), ("gloo", gloo)):
-        record(f"replicated, dense all_reduce ({label})", *replicated_step(args, init, batches, group, gloo))
-    for label, group in (("myccl", None), ("gloo", gloo)):
-        record(f"nn.Embedding(sparse), sparse all_reduce ({label})", *sparse_step(args, init, batches, group, gloo))
-    ref = samples["WholeMemoryEmbedding, sgd"]
-    for name, s in samples.items():
-        if not torch.allclose(s, ref, rtol=1e-4, atol=1e-6):
-            raise AssertionError(f"{name} ends with another table than WholeMemoryEmbedding (rank {rank})")
-    lookups = cached_lookups(wgth, comm, args, init, rank, gloo)
+    if args.part in ("all", "steps"):
+        record("WholeMemoryEmbedding, sgd", *wholememory_step(wgth, comm, args, init, batches, gloo, "sgd"))
+        t, b, _ = wholememory_step(wgth, comm, args, init, batches, gloo, "adam")
+        record("WholeMemoryEmbedding, lazy adam", t, b)
+        for label, group in (("myccl", None), ("gloo", gloo)):
+            record(f"replicated, dense all_reduce ({label})", *replicated_step(args, init, batches, group, gloo))
+        for label, group in (("myccl", None), ("gloo", gloo)):
+            record(f"nn.Embedding(sparse), sparse all_reduce ({label})",
+                   *sparse_step(args, init, batches, group, gloo))
+        ref = samples["WholeMemoryEmbedding, sgd"]
+        for name, s in samples.items():
+            if not torch.allclose(s, ref, rtol=1e-4, atol=1e-6):
+                raise AssertionError(f"{name} ends with another table than WholeMemoryEmbedding (rank {rank})")
+    lookups = cached_lookups(wgth, comm, args, init, rank, gloo) if args.part in ("all", "lookups") else {}
     wgth.finalize()
     return {"rank": rank, "size": size, "config": {k: v for k, v in vars(args).items() if k != "out"},
             "steps": results,
-            "lookups": [{"config": k, "time_s": t, "hit_fraction": h,
-                         "gbps": args.lookup * args.dim * 4 / t / 1e9} for k, (t, h) in lookups.items()]}
+            "lookups": [{"config": k, "time_s": t, "hit_fraction": h, "index_select_s": lim,
+                         "gbps": args.lookup * args.dim * 4 / t / 1e9} for k, (t, h, lim) in lookups.items()]}
 
 
 def report(res: dict, out: str) -> None:
     c = res["config"]
+    if res["steps"]:
+        _report_steps(res, c)
+    if res["lookups"]:
+        _report_lookups(res, c)
+    write_json(res, out)
+
+
+def _report_steps(res: dict, c: dict) -> None:
     print(f"\ntraining step of a {c['rows']} x {c['dim']} float32 table, {res['size']} ranks, "
           f"{c['batch']} ids per rank per step (median of {c['steps']} steps, rank 0)")
     base = {r["method"]: r for r in res["steps"]}
@@ -227,14 +246,17 @@ def report(res: dict, out: str) -> None:
         r["vs_sparse_gloo"] = gloo_sparse / r["step_s"]
         print(f"{r['method']:<48} {r['step_s'] * 1e3:9.1f} {r['bytes_per_rank'] / MB:9.1f} "
               f"{r['vs_dense_gloo']:13.2f}x {r['vs_sparse_gloo']:14.2f}x")
-    print(f"\nlookups of {c['lookup']} ids from a hot set of {c['hot']:.0%} of the rows (median per lookup, rank 0)")
-    limit = next(r for r in res["lookups"] if r["config"].startswith("index_select"))["time_s"]
-    print(f"{'lookup':<42} {'ms':>8} {'GB/s':>8} {'hits':>6} {'vs index_select':>16}")
+
+
+def _report_lookups(res: dict, c: dict) -> None:
+    print(f"\nlookups of {c['lookup']} ids from a hot set of {c['hot']:.0%} of the rows (median per lookup, rank 0; "
+          "index_select timed in the same rounds)")
+    print(f"{'lookup':<46} {'ms':>8} {'GB/s':>8} {'hits':>6} {'index_select ms':>16} {'vs index_select':>16}")
     for r in res["lookups"]:
-        r["vs_index_select"] = limit / r["time_s"]
+        r["vs_index_select"] = r["index_select_s"] / r["time_s"]
         hits = "" if r["hit_fraction"] is None else f"{r['hit_fraction']:.0%}"
-        print(f"{r['config']:<42} {r['time_s'] * 1e3:8.2f} {r['gbps']:8.2f} {hits:>6} {r['vs_index_select']:15.2f}x")
-    write_json(res, out)
+        print(f"{r['config']:<46} {r['time_s'] * 1e3:8.2f} {r['gbps']:8.2f} {hits:>6} "
+              f"{r['index_select_s'] * 1e3:16.2f} {r['vs_index_select']:15.2f}x")
 
 
 def main() -> None:
@@ -252,6 +274,8 @@ def main() -> None:
     ap.add_argument("--cache-ratio", type=float, default=0.125)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--part", default="all", choices=["all", "steps", "lookups"],
+                    help="the training steps, the cached lookups, or both")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = args.out or os.path.join(ROOT, "bench_out", f"embedding_bench_{args.world_size}ranks.json")
