@@ -2,7 +2,9 @@
 
 - WholeMemoryEmbedding (pylibwholegraph.torch's names): each rank holds 1/n of the table; a step
   looks rows up, hands their gradients back, and the optimizer sends every (row, gradient) to the
-  row's owner, which sums them and steps each touched row once (sgd, and lazy adam as a second row);
+  row's owner, which sums them and steps each touched row once (sgd, and lazy adam as another
+  row; distributed memory's sgd both ways: one host, reading the parts where they lie, and the
+  exchange, the path across hosts);
 - the same table replicated on every rank, its dense gradient all-reduced (myccl, and gloo: the
   baseline), then a dense sgd step;
 - torch.nn.Embedding(sparse=True) on every rank, its sparse gradient all-reduced (myccl, gloo).
@@ -19,7 +21,12 @@ every lookup a hit) against the same table without a cache and index_select on a
 (the parts read where they lie) and the exchange (the path across hosts, MYCCL_WM_DIRECT=0).
 
     python benchmarks/embedding_bench.py                        # 2 ranks, 1M rows x 128
+    python benchmarks/embedding_bench.py --world-size 4         # 4 ranks
+    python benchmarks/embedding_bench.py --part lookups         # the cached lookups alone
     python benchmarks/embedding_bench.py --rows 200000 --world-size 2
+
+Host memory at the peak: about three tables per rank (the reference every rank starts from, and
+a replica with its dense gradient) besides the whole-memory parts.
 
 Prints a table and writes JSON (--out).
 """
@@ -68,8 +75,12 @@ def _timed(batches, warmup, step, group) -> list[float]:
     return times
 
 
-def wholememory_step(wgth, comm, args, init, batches, gloo, kind):
+def wholememory_step(wgth, comm, args, init, batches, gloo, kind, direct=True):
+    """direct=False: distributed memory through the exchange (MYCCL_WM_DIRECT=0), the path across
+    hosts, where one host's lookups would read the other ranks' parts in place."""
+    os.environ["MYCCL_WM_DIRECT"] = "1" if direct else "0"  # (read when a tensor is made, alike on every rank)
     emb = wgth.create_embedding(comm, args.memory_type, "cpu", torch.float32, [args.rows, args.dim])
+    os.environ.pop("MYCCL_WM_DIRECT")
     local, first = emb.get_embedding_tensor().get_local_tensor()
     local.copy_(init[first:first + local.shape[0]])
     comm.barrier()
@@ -206,6 +217,9 @@ def worker(args) -> dict:
 
     if args.part in ("all", "steps"):
         record("WholeMemoryEmbedding, sgd", *wholememory_step(wgth, comm, args, init, batches, gloo, "sgd"))
+        if args.memory_type == "distributed":
+            record("WholeMemoryEmbedding, sgd, exchange",
+                   *wholememory_step(wgth, comm, args, init, batches, gloo, "sgd", direct=False))
         t, b, _ = wholememory_step(wgth, comm, args, init, batches, gloo, "adam")
         record("WholeMemoryEmbedding, lazy adam", t, b)
         for label, group in (("myccl", None), ("gloo", gloo)):
@@ -235,17 +249,31 @@ def report(res: dict, out: str) -> None:
 
 
 def _report_steps(res: dict, c: dict) -> None:
-    print(f"\ntraining step of a {c['rows']} x {c['dim']} float32 table, {res['size']} ranks, "
+    n = res["size"]
+    print(f"\ntraining step of a {c['rows']} x {c['dim']} float32 table, {n} ranks, "
           f"{c['batch']} ids per rank per step (median of {c['steps']} steps, rank 0)")
-    base = {r["method"]: r for r in res["steps"]}
-    gloo_dense = base["replicated, dense all_reduce (gloo)"]["step_s"]
-    gloo_sparse = base["nn.Embedding(sparse), sparse all_reduce (gloo)"]["step_s"]
-    print(f"{'method':<48} {'step ms':>9} {'MB/rank':>9} {'vs dense gloo':>14} {'vs sparse gloo':>15}")
+    base = {r["method"]: r["step_s"] for r in res["steps"]}
+    dense = base["replicated, dense all_reduce (gloo)"]
+    sparse = {b: base[f"nn.Embedding(sparse), sparse all_reduce ({b})"] for b in ("gloo", "myccl")}
+    print(f"{'method':<48} {'step ms':>9} {'MB/rank':>9} {'vs dense gloo':>14} {'vs sparse gloo':>15} "
+          f"{'vs sparse myccl':>16}")
     for r in res["steps"]:
-        r["vs_dense_gloo"] = gloo_dense / r["step_s"]
-        r["vs_sparse_gloo"] = gloo_sparse / r["step_s"]
+        r["vs_dense_gloo"] = dense / r["step_s"]
+        r["vs_sparse_gloo"] = sparse["gloo"] / r["step_s"]
+        r["vs_sparse_myccl"] = sparse["myccl"] / r["step_s"]
         print(f"{r['method']:<48} {r['step_s'] * 1e3:9.1f} {r['bytes_per_rank'] / MB:9.1f} "
-              f"{r['vs_dense_gloo']:13.2f}x {r['vs_sparse_gloo']:14.2f}x")
+              f"{r['vs_dense_gloo']:13.2f}x {r['vs_sparse_gloo']:14.2f}x {r['vs_sparse_myccl']:15.2f}x")
+    table = c["rows"] * c["dim"] * 4
+    sgd = next(r for r in res["steps"] if r["method"] == "WholeMemoryEmbedding, sgd")
+    res["goals"] = {"memory_per_rank_of_table": sgd["bytes_per_rank"] / table,
+                    "memory_limit_of_table": 1 / n + 0.1,
+                    "vs_dense_gloo": sgd["vs_dense_gloo"], "vs_sparse_gloo": sgd["vs_sparse_gloo"],
+                    "vs_sparse_myccl": sgd["vs_sparse_myccl"]}
+    g = res["goals"]
+    print(f"goals (WholeMemoryEmbedding, sgd): memory per rank {g['memory_per_rank_of_table']:.3f} of the table "
+          f"(at most 1/{n} + 0.1 = {g['memory_limit_of_table']:.3f}); step {g['vs_dense_gloo']:.1f}x the dense "
+          f"replica (at least 5x); {g['vs_sparse_gloo']:.2f}x / {g['vs_sparse_myccl']:.2f}x the sparse replica "
+          "on gloo / myccl (above 1x)")
 
 
 def _report_lookups(res: dict, c: dict) -> None:
@@ -272,7 +300,7 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=16384, help="ids per rank per cached lookup")
     ap.add_argument("--hot", type=float, default=0.05, help="the hot set, a fraction of the rows")
     ap.add_argument("--cache-ratio", type=float, default=0.125)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--part", default="all", choices=["all", "steps", "lookups"],
                     help="the training steps, the cached lookups, or both")
