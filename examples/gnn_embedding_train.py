@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import c10d_ext.wholememory as wgth  # WholeGraph: import pylibwholegraph.torch as wgth
 
 
-def parse_args():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--neighbors", type=int, default=5)
@@ -44,7 +44,7 @@ def parse_args():
     ap.add_argument("--cache-type", default="none", choices=["none", "all_devices"])
     ap.add_argument("--cache-ratio", type=float, default=0.5)
     ap.add_argument("--out", default="", help="where rank 0 saves the trained table and model")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def graph(nodes: int, k: int) -> torch.Tensor:
@@ -80,10 +80,9 @@ def sum_hook(process_group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def main() -> None:
-    args = parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+def train(args, rank: int, world: int, local_rank: int, local_size: int) -> dict:
+    """The training on this rank; returns the trained table, the first one and the model's state
+    (on the CPU, alike on every rank)."""
     global_comm, local_comm = wgth.init_torch_env_and_create_wm_comm(rank, world, local_rank, local_size)
     if args.batch % world:
         raise SystemExit("--batch must divide by the number of ranks")
@@ -119,12 +118,20 @@ def main() -> None:
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {total.item():.4f}", flush=True)
     table = node_emb.gather(torch.arange(args.nodes))  # (collective for distributed memory and caches)
+    result = {"table": table.cpu(), "table0": table0}
+    result.update({f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()})
+    wgth.finalize()
+    return result
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    result = train(args, rank, world, local_rank, local_size)
     if rank == 0 and args.out:
-        result = {"table": table.cpu(), "table0": table0}
-        result.update({f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()})
         torch.save(result, args.out)
         print(f"{world} ranks: wrote the trained table and model to {args.out}")
-    wgth.finalize()
 
 
 if __name__ == "__main__":

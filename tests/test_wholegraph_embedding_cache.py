@@ -291,21 +291,85 @@ def test_optimizers_on_gpu(run, memory_type, location):
 
 # -- the example ----------------------------------------------------------------------------------
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "gnn_embedding_train.py")
+EXAMPLE_STEPS = 12
+
+
 def _example(nproc: int, out: str, steps: int) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(root, "examples", "gnn_embedding_train.py"), "--steps", str(steps), "--out", out]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), EXAMPLE,
+           "--steps", str(steps), "--out", out]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
 
 
-def test_example_two_ranks_equal_one_process(tmp_path):
-    """examples/gnn_embedding_train.py: adam on a node-embedding table under a DDP model, at 2 ranks
-    and in one process, ends with the same table and model."""
-    _example(1, str(tmp_path / "one.pt"), 12)
-    _example(2, str(tmp_path / "two.pt"), 12)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> str:
+    """The example's training in one process (torchrun, one rank): where its result is."""
+    out = str(tmp_path_factory.mktemp("example") / "one.pt")
+    _example(1, out, EXAMPLE_STEPS)
+    return out
+
+
+def _same_training(got: dict, want: dict) -> list[str]:
+    """What differs between two results of the example (empty: the same training)."""
+    if set(got) != set(want):
+        return [f"keys {sorted(got)} != {sorted(want)}"]
+    return [f"{key}: largest difference {(got[key] - want[key]).abs().max().item():.3g}" for key in want
+            if not torch.allclose(got[key], want[key], rtol=1e-4, atol=1e-5)]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_example_equals_one_process(tmp_path, one_process, nproc):
+    """examples/gnn_embedding_train.py: adam on a node-embedding table under a DDP model, at 2 and 4
+    ranks and in one process, ends with the same table and model."""
+    _example(nproc, str(tmp_path / "n.pt"), EXAMPLE_STEPS)
+    one, n = torch.load(one_process), torch.load(tmp_path / "n.pt")
     assert not torch.allclose(one["table"], one["table0"], atol=1e-3), "the table did not train"
-    for key in one:
-        assert torch.allclose(one[key], two[key], rtol=1e-4, atol=1e-5), (key, (one[key] - two[key]).abs().max())
+    assert not _same_training(n, one), _same_training(n, one)
+
+
+@one_thread
+def body_example(ctx, mode: str, memory_type: str, one_path: str):
+    """The example's training (its own train(), as torchrun would run it) with the table in CUDA
+    memory: on the strict double, or on one GPU whose ranks each play a host of their own (the
+    GPU world's NCCL_HOSTID); against the same training in one process."""
+    import importlib.util
+
+    import c10d_ext.wholememory as wgth
+
+    wgth.finalize()
+    ctx.init(timeout=60)
+    rep = Report(ctx)
+    local_rank, local_size = ctx.rank, ctx.size
+    if mode == "double":
+        import cuda_double
+
+        cuda_double.set_device(ctx.rank % 2)
+        before = cuda_double.counters()
+    else:
+        local_rank, local_size = 0, 1
+    spec = importlib.util.spec_from_file_location("gnn_embedding_train", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse_args(["--steps", str(EXAMPLE_STEPS), "--memory-type", memory_type,
+                               "--memory-location", "cuda"])
+    got = example.train(args, ctx.rank, ctx.size, local_rank, local_size)
+    for problem in _same_training(got, torch.load(one_path)) or [None]:
+        rep.check(problem is None, f"{memory_type} cuda against one process: {problem}")
+    if mode == "double":  # the table's exchanges ran on the CUDA engine, and broke none of CUDA's rules
+        after = cuda_double.counters()
+        rep.check(after.get("sends", 0) > before.get("sends", 0), f"no NCCL sends: {after}")
+        rep.check(not cuda_double.violations(), f"violations on the double: {cuda_double.violations()}")
+    return rep.result()
+
+
+@pytest.mark.parametrize("memory_type", ["chunked", "continuous"])
+def test_example_in_cuda_memory_on_cuda_double(run, one_process, memory_type):
+    assert_reports(run(2, body_example, "double", memory_type, one_process, world_env=_world("double"), timeout=300))
+
+
+@pytest.mark.cuda
+def test_example_in_cuda_memory_on_gpu(run, one_process):
+    assert_reports(run(2, body_example, "gpu", "distributed", one_process, world_env=_world("gpu"), timeout=300))
