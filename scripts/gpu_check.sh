@@ -380,7 +380,7 @@ gpu-check: c10d_ext (myccl) on this machine's CUDA GPU(s), each figure next to t
   env         ~0.5 min  python with torch, venv $(basename "$GC_VENV") (--system-site-packages), wheels from $(basename "$WHEELHOUSE")/
   build       ~1-4 min  MYCCL_WITH_NCCL=1 pip install --no-build-isolation -e . (MAX_JOBS=$MAX_JOBS)
   hostcost    ~2 min    host time per op vs nccl (every op, 8 B and 1 MiB, sync and async); DDP, many small params
-  test        ~5 min    pytest -m cuda tests: tests/test_cuda.py at world sizes 1 and 2 on one GPU, vs nccl
+  test        ~5 min    pytest -m cuda tests: tests/test_cuda.py at world sizes 1 and 2 on one GPU vs nccl; whole memory, the GNN example, Horovod, DDP
   test-multi  ~3 min    world size N on N GPUs (only with several GPUs)
   bench       ~4 min    collbench --device cuda vs nccl: 8 B overhead, busbw 1 MiB-1 GiB, 6 ops
   ddp         ~1 min    DDP over myccl and c10d_ext's DDP vs DDP over nccl: losses, parameters, step time

@@ -28,7 +28,7 @@ WHAT = {
     "env": "python with torch, venv, wheels from the wheelhouse",
     "build": "c10d_ext with the NCCL engine",
     "hostcost": "host time per op vs nccl; DDP on many small parameters",
-    "test": "pytest -m cuda tests (tests/test_cuda.py at world sizes 1 and 2 on one GPU)",
+    "test": "pytest -m cuda tests (tests/test_cuda.py at world sizes 1 and 2 on one GPU, and every other file's)",
     "test-multi": "tests/test_cuda.py at world size N on N GPUs",
     "bench": "collbench --device cuda, myccl vs nccl",
     "ddp": "DDP training over myccl vs over nccl",
@@ -153,13 +153,22 @@ def _junit(path: str) -> dict | None:
     res["seconds"] = round(sum(float(s.get("time", 0)) for s in suites), 1)
     res["passed"] = res["tests"] - res["failures"] - res["errors"] - res["skipped"]
     res["failed"] = []
+    res["files"] = {}  # test file -> {"passed", "failed", "skipped"}: which GPU paths ran
     for case in root.iter("testcase"):
+        module = (case.get("classname") or "").split(".")
+        name = next((m for m in module if m.startswith("test_")), module[-1]) + ".py"
+        counts = res["files"].setdefault(name, {"passed": 0, "failed": 0, "skipped": 0})
+        outcome = "passed"
         for kind in ("failure", "error"):
             el = case.find(kind)
             if el is not None:
+                outcome = "failed"
                 msg = (el.get("message") or el.text or "").strip().splitlines()
                 res["failed"].append({"test": f"{case.get('classname')}::{case.get('name')}", "kind": kind,
                                       "message": msg[0][:300] if msg else ""})
+        if outcome == "passed" and case.find("skipped") is not None:
+            outcome = "skipped"
+        counts[outcome] += 1
     return res
 
 
@@ -341,6 +350,10 @@ def report(state: str, out_dir: str, dry: bool) -> int:
             for fcase in t["failed"]:
                 md.append(f"- {fcase['kind'].upper()} `{fcase['test']}`: {fcase['message']}")
             md.append("")
+            if t.get("files"):
+                md += ["| test file | passed | failed | skipped |", "|---|---:|---:|---:|"]
+                md += [f"| {f} | {c['passed']} | {c['failed']} | {c['skipped']} |" for f, c in sorted(t["files"].items())]
+                md.append("")
         if lines[n]:
             md += ["```"] + lines[n] + ["```", ""]
         elif not t:
