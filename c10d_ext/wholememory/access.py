@@ -27,23 +27,36 @@ from .tensor import ChunkedTensor, DistributedTensor, meta_of
 BAD_PEER = "rank {rank} passed bad input (its error says what); nothing was moved"
 
 
-def _check_indices(op, group, idx, rows: int, device) -> torch.Tensor:
+def check_index_form(op: str, group, idx) -> None:
+    """Indices are a 1-D tensor of int32 or int64: the start of every index check of the layer."""
     if not isinstance(idx, torch.Tensor):
         fail(op, group, f"indices must be a tensor, got {type(idx).__name__}", TypeError)
     if idx.dtype not in (torch.int32, torch.int64):
         fail(op, group, f"indices must be int32 or int64, got {idx.dtype}", TypeError)
     if idx.dim() != 1:
         fail(op, group, f"indices must be 1-D, got shape {list(idx.shape)}")
-    if idx.device != device:
-        if idx.device.type != "cpu":
-            fail(op, group, f"indices are on {idx.device}, the tensor's rows on {device}")
-        idx = idx.to(device)  # CPU indices for a table on a GPU: moved there
+
+
+def check_index_range(op: str, group, idx: torch.Tensor, rows: int, what: str) -> None:
+    """Every index in [0, rows); else an IndexError naming the first one outside, its position
+    and ``what`` has the rows."""
     if idx.numel():
         lo, hi = torch.aminmax(idx)
         if lo.item() < 0 or hi.item() >= rows:
             pos = int(((idx < 0) | (idx >= rows)).nonzero()[0])
-            fail(op, group, f"index {int(idx[pos])} (position {pos}) is out of range for a whole-memory tensor "
-                 f"of {rows} rows", IndexError)
+            fail(op, group, f"index {int(idx[pos])} (position {pos}) is out of range for {what} of {rows} rows",
+                 IndexError)
+
+
+def _check_indices(op, group, idx, rows: int, device) -> torch.Tensor:
+    """The indices of a gather or scatter, on the rows' device (CPU indices are moved there,
+    others must be there already), of the dtype given."""
+    check_index_form(op, group, idx)
+    if idx.device != device:
+        if idx.device.type != "cpu":
+            fail(op, group, f"indices are on {idx.device}, the tensor's rows on {device}")
+        idx = idx.to(device)  # CPU indices for a table on a GPU: moved there
+    check_index_range(op, group, idx, rows, "a whole-memory tensor")
     return idx
 
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from .. import _C
 from . import device as device_mod
-from .embedding_exchange import BAD_PEER, Owners, rows_back, to_owners
+from .embedding_exchange import Owners, rows_back, to_owners
 from .tensor import WmTensorType, create_wm_tensor, fail, local_partition
-from .access import gather as seed_gather, result_rows
+from .access import BAD_PEER, gather as seed_gather, result_rows
 
 __all__ = ["WholeMemoryCachePolicy", "create_wholememory_cache_policy", "destroy_wholememory_cache_policy",
            "create_builtin_cache_policy"]

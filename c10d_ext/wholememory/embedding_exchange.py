@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .access import BAD_PEER, check_index_form, check_index_range
 from .tensor import agree_on_error, fail
-
-BAD_PEER = "rank {rank} passed bad input (its error says what); nothing was moved"
 
 
 class Owners:
@@ -75,19 +74,12 @@ def check_ids(op: str, group, ids, rows: int, device, collective: bool) -> torch
 
 
 def _checked(op, group, ids, rows, device) -> torch.Tensor:
-    if not isinstance(ids, torch.Tensor):
-        fail(op, group, f"indices must be a tensor, got {type(ids).__name__}", TypeError)
-    if ids.dtype not in (torch.int32, torch.int64):
-        fail(op, group, f"indices must be int32 or int64, got {ids.dtype}", TypeError)
-    if ids.dim() != 1:
-        fail(op, group, f"indices must be 1-D, got shape {list(ids.shape)}")
+    """The tensor layer's checks (access), with the embedding's device rule: ids on any device
+    are moved to the rows' (pylibwholegraph's lookups take them on the CUDA device even for a
+    table in host memory), as int64, the dtype the exchanges and the round-robin mapping use."""
+    check_index_form(op, group, ids)
     out = ids.to(device=device, dtype=torch.int64)
-    if out.numel():
-        lo, hi = torch.aminmax(out)
-        if lo.item() < 0 or hi.item() >= rows:
-            pos = int(((out < 0) | (out >= rows)).nonzero()[0])
-            fail(op, group, f"index {int(out[pos])} (position {pos}) is out of range for an embedding of "
-                 f"{rows} rows", IndexError)
+    check_index_range(op, group, out, rows, "an embedding")
     return out
 
 
