@@ -168,9 +168,9 @@ def test_read_only_lookups_answered_here(run, size, memory_type, exchange):
     assert_reports(run(size, body_lookups_answered_here, memory_type, exchange, env=env, timeout=180))
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_read_only_cache_through_the_exchange(run, size):
-    assert_reports(run(size, body_read_only, "device", "distributed", env={"MYCCL_WM_DIRECT": "0"}, timeout=180))
+@pytest.mark.parametrize("where,size", [("device", 2), ("device", 3), ("node", 4)])
+def test_read_only_cache_through_the_exchange(run, where, size):
+    assert_reports(run(size, body_read_only, where, "distributed", env={"MYCCL_WM_DIRECT": "0"}, timeout=240))
 
 
 def _expect_raw(rep, emb, table_want, states_want, what):
