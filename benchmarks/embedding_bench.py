@@ -17,7 +17,8 @@ bytes per rank of table, gradient and optimizer state (from the tensors).
 Cached lookups: every rank looks up --lookup ids drawn from a hot set (--hot of the rows); a
 WholeMemoryEmbedding of distributed memory with a read-only cache on this rank (warmed once, then
 every lookup a hit) against the same table without a cache and index_select on a private copy
-(the limit, timed in the same rounds as each row, in turn first), each read two ways: one host
+(the limit, each call timed next to one of the row's, in turn first; medians of the calls), each
+read two ways: one host
 (the parts read where they lie) and the exchange (the path across hosts, MYCCL_WM_DIRECT=0).
 
     python benchmarks/embedding_bench.py                        # 2 ranks, 1M rows x 128
@@ -134,7 +135,7 @@ def sparse_step(args, init, batches, group, gloo):
 
 def cached_lookups(wgth, comm, args, init, rank, gloo):
     """Lookups of hot rows: (name -> (median seconds per lookup, hit fraction or None, median
-    seconds of index_select on the private copy in the same rounds))."""
+    seconds of index_select on the private copy, called beside them))."""
     g = torch.Generator().manual_seed(7)
     hot = torch.randperm(args.rows, generator=g)[:max(1, int(args.rows * args.hot))]
     ids = hot[torch.randint(0, hot.numel(), (args.lookup,), generator=torch.Generator().manual_seed(8 + rank))]
@@ -144,23 +145,21 @@ def cached_lookups(wgth, comm, args, init, rank, gloo):
     def limit():
         return init.index_select(0, ids)
 
-    def timed(fn) -> float:
-        dist.barrier(group=gloo)
-        t0 = time.perf_counter()
-        for _ in range(args.reps):
-            fn()
-        return (time.perf_counter() - t0) / args.reps
-
     def run(name, fn, emb=None):
-        """Each round times fn and the limit (in turn first), so that both see the same load."""
+        """Each call of fn timed next to a call of the limit (in turn first), so that both see the
+        same load; a call the machine preempted is an outlier the medians leave out."""
         if not torch.equal(fn(), want):
             raise AssertionError(f"{name}: wrong rows (rank {rank})")
         before = emb.cache_counters() if emb is not None else None
         ts, lim = [], []
         for i in range(args.rounds):
-            pair = [(ts, fn), (lim, limit)]
-            for acc, f in (pair if i % 2 == 0 else pair[::-1]):
-                acc.append(timed(f))
+            dist.barrier(group=gloo)
+            for j in range(args.reps):
+                pair = [(ts, fn), (lim, limit)]
+                for acc, f in (pair if (i + j) % 2 == 0 else pair[::-1]):
+                    t0 = time.perf_counter()
+                    f()
+                    acc.append(time.perf_counter() - t0)
         hits = None
         if before is not None:
             after = emb.cache_counters()
@@ -278,7 +277,7 @@ def _report_steps(res: dict, c: dict) -> None:
 
 def _report_lookups(res: dict, c: dict) -> None:
     print(f"\nlookups of {c['lookup']} ids from a hot set of {c['hot']:.0%} of the rows (median per lookup, rank 0; "
-          "index_select timed in the same rounds)")
+          "index_select timed beside each row's calls)")
     print(f"{'lookup':<46} {'ms':>8} {'GB/s':>8} {'hits':>6} {'index_select ms':>16} {'vs index_select':>16}")
     for r in res["lookups"]:
         r["vs_index_select"] = r["index_select_s"] / r["time_s"]
@@ -301,7 +300,7 @@ def main() -> None:
     ap.add_argument("--hot", type=float, default=0.05, help="the hot set, a fraction of the rows")
     ap.add_argument("--cache-ratio", type=float, default=0.125)
     ap.add_argument("--rounds", type=int, default=11)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--part", default="all", choices=["all", "steps", "lookups"],
                     help="the training steps, the cached lookups, or both")
     ap.add_argument("--out", default=None)
