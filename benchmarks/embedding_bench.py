@@ -12,7 +12,9 @@
 The sgd variants apply the same update from the same rows and gradients, so they end with the same
 table (checked). Reported per method: the median step time on rank 0 (every rank its own batch of
 --batch ids, uniform over the table with repeats; a barrier before each step, not timed) and the
-bytes per rank of table, gradient and optimizer state (from the tensors).
+bytes per rank of table, gradient and optimizer state (from the tensors). The whole-memory and
+sparse methods take each batch in turn, so that a shared machine's load falls on all of them
+alike; each dense replica (two tables per rank) runs alone, last.
 
 Cached lookups: every rank looks up --lookup ids drawn from a hot set (--hot of the rows); a
 WholeMemoryEmbedding of distributed memory with a read-only cache on this rank (warmed once, then
@@ -26,8 +28,8 @@ read two ways: one host
     python benchmarks/embedding_bench.py --part lookups         # the cached lookups alone
     python benchmarks/embedding_bench.py --rows 200000 --world-size 2
 
-Host memory at the peak: about three tables per rank (the reference every rank starts from, and
-a replica with its dense gradient) besides the whole-memory parts.
+Host memory per rank at the peak: the first table, two sparse replicas and the whole-memory parts
+(about three tables), or a dense replica, its gradient and the all-reduce's buffers.
 
 Prints a table and writes JSON (--out).
 """
@@ -64,20 +66,27 @@ def _batches(args, rank):
     return out
 
 
-def _timed(batches, warmup, step, group) -> list[float]:
-    times = []
+def _together(batches, warmup, methods: dict, group) -> dict:
+    """Every batch through every method in turn (the order turned by one each batch, alike on
+    every rank), a barrier before each step (not timed): methods measured minutes apart on a
+    shared machine would see different loads. ``methods``: name -> step(ids, w). Returns name ->
+    the step times after the warmup."""
+    names = list(methods)
+    times = {name: [] for name in names}
     for i, (ids, w) in enumerate(batches):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        step(ids, w)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            methods[name](ids, w)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
     dist.barrier(group=group)
     return times
 
 
-def wholememory_step(wgth, comm, args, init, batches, gloo, kind, direct=True):
-    """direct=False: distributed memory through the exchange (MYCCL_WM_DIRECT=0), the path across
+def wholememory_method(wgth, comm, args, init, kind, direct=True):
+    """(step, finish) of a WholeMemoryEmbedding; finish() -> (bytes per rank, the first rows).
+    direct=False: distributed memory through the exchange (MYCCL_WM_DIRECT=0), the path across
     hosts, where one host's lookups would read the other ranks' parts in place."""
     os.environ["MYCCL_WM_DIRECT"] = "1" if direct else "0"  # (read when a tensor is made, alike on every rank)
     emb = wgth.create_embedding(comm, args.memory_type, "cpu", torch.float32, [args.rows, args.dim])
@@ -92,16 +101,20 @@ def wholememory_step(wgth, comm, args, init, batches, gloo, kind, direct=True):
         module(ids).backward(w)
         opt.step(args.lr)
 
-    times = _timed(batches, args.warmup, step, gloo)
-    state = sum(emb.get_optimizer_state(s).get_local_tensor()[0].numel() * 4 for s in emb.get_optimizer_state_names())
-    nbytes = local.numel() * 4 + state
-    sample = emb.gather(torch.arange(min(args.rows, 4096)))
-    wgth.destroy_embedding(emb)
-    return times, nbytes, sample
+    def finish():
+        state = sum(emb.get_optimizer_state(s).get_local_tensor()[0].numel() * 4
+                    for s in emb.get_optimizer_state_names())
+        sample = emb.gather(torch.arange(min(args.rows, 4096)))
+        nbytes = local.numel() * 4 + state
+        wgth.destroy_embedding(emb)
+        return nbytes, sample
+
+    return step, finish
 
 
-def replicated_step(args, init, batches, group, gloo):
-    table = init.clone().requires_grad_()
+def replicated_method(args, table, group):
+    """(step, finish) of the replicated table ``table`` (a fresh copy of the first table, its own)."""
+    table.requires_grad_()
 
     def step(ids, w):
         F.embedding(ids, table).backward(w)
@@ -110,11 +123,10 @@ def replicated_step(args, init, batches, group, gloo):
             table.sub_(table.grad, alpha=args.lr)
         table.grad = None
 
-    times = _timed(batches, args.warmup, step, gloo)
-    return times, 2 * table.numel() * 4, table.detach()[:min(args.rows, 4096)].clone()
+    return step, lambda: (2 * table.numel() * 4, table.detach()[:min(args.rows, 4096)].clone())
 
 
-def sparse_step(args, init, batches, group, gloo):
+def sparse_method(args, init, group):
     emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
     with torch.no_grad():
         emb.weight.copy_(init)
@@ -129,8 +141,7 @@ def sparse_step(args, init, batches, group, gloo):
             emb.weight.add_(g, alpha=-args.lr)
         emb.weight.grad = None
 
-    times = _timed(batches, args.warmup, step, gloo)
-    return times, emb.weight.numel() * 4 + max(grad_bytes), emb.weight.detach()[:min(args.rows, 4096)].clone()
+    return step, lambda: (emb.weight.numel() * 4 + max(grad_bytes), emb.weight.detach()[:min(args.rows, 4096)].clone())
 
 
 def cached_lookups(wgth, comm, args, init, rank, gloo):
@@ -202,7 +213,10 @@ def worker(args) -> dict:
     wgth.init_torch_env(rank, size, rank, size)  # myccl's default group, one thread per rank
     gloo = dist.new_group(backend="gloo")
     comm = wgth.get_global_communicator()
-    init = torch.randn(args.rows, args.dim, generator=torch.Generator().manual_seed(1)) * 0.1
+    def first_table():
+        return torch.randn(args.rows, args.dim, generator=torch.Generator().manual_seed(1)).mul_(0.1)
+
+    init = first_table()
     batches = _batches(args, rank)
     results, samples = [], {}
 
@@ -214,23 +228,35 @@ def worker(args) -> dict:
             print(f"  {name}: {statistics.median(times) * 1e3:.1f} ms", flush=True)
         gc.collect()
 
-    if args.part in ("all", "steps"):
-        record("WholeMemoryEmbedding, sgd", *wholememory_step(wgth, comm, args, init, batches, gloo, "sgd"))
+    def run_phase(phase: dict) -> None:
+        made = {name: make() for name, make in phase.items()}
+        times = _together(batches, args.warmup, {name: m[0] for name, m in made.items()}, gloo)
+        for name, (_, finish) in made.items():
+            nbytes, sample = finish()
+            record(name, times[name], nbytes, None if "adam" in name else sample)
+
+    steps = args.part in ("all", "steps")
+    if steps:  # the light methods together: the goals compare them
+        light = {"WholeMemoryEmbedding, sgd": lambda: wholememory_method(wgth, comm, args, init, "sgd")}
         if args.memory_type == "distributed":
-            record("WholeMemoryEmbedding, sgd, exchange",
-                   *wholememory_step(wgth, comm, args, init, batches, gloo, "sgd", direct=False))
-        t, b, _ = wholememory_step(wgth, comm, args, init, batches, gloo, "adam")
-        record("WholeMemoryEmbedding, lazy adam", t, b)
+            light["WholeMemoryEmbedding, sgd, exchange"] = lambda: wholememory_method(wgth, comm, args, init, "sgd",
+                                                                                      direct=False)
+        light["WholeMemoryEmbedding, lazy adam"] = lambda: wholememory_method(wgth, comm, args, init, "adam")
         for label, group in (("myccl", None), ("gloo", gloo)):
-            record(f"replicated, dense all_reduce ({label})", *replicated_step(args, init, batches, group, gloo))
+            light[f"nn.Embedding(sparse), sparse all_reduce ({label})"] = \
+                lambda group=group: sparse_method(args, init, group)
+        run_phase(light)
+    lookups = cached_lookups(wgth, comm, args, init, rank, gloo) if args.part in ("all", "lookups") else {}
+    del init  # each replica below is a table and its dense gradient per rank: nothing else held
+    gc.collect()
+    if steps:
         for label, group in (("myccl", None), ("gloo", gloo)):
-            record(f"nn.Embedding(sparse), sparse all_reduce ({label})",
-                   *sparse_step(args, init, batches, group, gloo))
+            run_phase({f"replicated, dense all_reduce ({label})": lambda group=group: replicated_method(
+                args, first_table(), group)})
         ref = samples["WholeMemoryEmbedding, sgd"]
         for name, s in samples.items():
             if not torch.allclose(s, ref, rtol=1e-4, atol=1e-6):
                 raise AssertionError(f"{name} ends with another table than WholeMemoryEmbedding (rank {rank})")
-    lookups = cached_lookups(wgth, comm, args, init, rank, gloo) if args.part in ("all", "lookups") else {}
     wgth.finalize()
     return {"rank": rank, "size": size, "config": {k: v for k, v in vars(args).items() if k != "out"},
             "steps": results,
