@@ -20,57 +20,11 @@ import torch.distributed as dist
 
 from cuda_helpers import WORLD
 from harness import Report, assert_reports, free_port, one_thread
-from wm_helpers import _reference
+from wm_helpers import TYPES, _reference, expect, on_one_rank, parts, start, uneven
 
-TYPES = ["continuous", "chunked", "distributed"]
 ROWS = 13
 
-
-def _expect(rep, what, fn, exc, *texts):
-    """fn() must raise exc with every text in its message."""
-    rep.checks += 1
-    try:
-        fn()
-    except exc as e:
-        for text in texts:
-            if text not in str(e):
-                rep.failures.append(f"rank {rep.rank}: {what}: {type(e).__name__}({e}) lacks {text!r}")
-        return
-    except Exception as e:  # noqa: BLE001
-        rep.failures.append(f"rank {rep.rank}: {what}: expected {exc.__name__}, got {type(e).__name__}: {e}")
-        return
-    rep.failures.append(f"rank {rep.rank}: {what}: nothing raised")
-
-
-def _on_one_rank(rep, what, fn, bad_rank, exc, texts, collective):
-    """fn() fails on bad_rank with exc naming texts; for a collective op the others raise too,
-    naming bad_rank; otherwise they succeed."""
-    if rep.rank == bad_rank:
-        _expect(rep, what, fn, exc, f"(rank {bad_rank})", *texts)
-    elif collective:
-        _expect(rep, what + " (a peer's bad input)", fn, Exception, f"rank {bad_rank}")
-    else:
-        fn()
-
-
-def _uneven(rows, n):
-    """A partition other than the equal one (a rank with none at n = 3)."""
-    return {1: [rows], 2: [rows - 3, 3], 3: [rows - 5, 0, 5]}.get(n, None)
-
-
-def _parts(rows, n, partition):
-    counts = partition or [min(rows, (i + 1) * -(-rows // n)) - min(rows, i * -(-rows // n)) for i in range(n)]
-    return [(sum(counts[:i]), c) for i, c in enumerate(counts)]
-
-
-def _start(ctx):
-    """The default group on a private store, then pylibwholegraph's init and global communicator."""
-    import c10d_ext.wholememory as wgth
-
-    wgth.finalize()  # (what an earlier call in this process may have left)
-    ctx.init()
-    wgth.init(ctx.rank, ctx.size, ctx.rank, ctx.size)
-    return wgth, wgth.get_global_communicator()
+_expect, _on_one_rank, _parts, _start, _uneven = expect, on_one_rank, parts, start, uneven
 
 
 # -- start-up and communicators ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from cuda_helpers import WORLD
+from cuda_helpers import WORLD, double_world
 from harness import Report, assert_reports, one_thread
 from wg_embedding_ref import DIM, HOT, LR, ROWS, STATES, Reference, batch, close, init_table, weights
 from wm_helpers import TYPES, _share, _unshare, body_optimizers, expect, fill, start
@@ -367,9 +367,9 @@ def body_example(ctx, mode: str, memory_type: str, one_path: str):
 
 @pytest.mark.parametrize("memory_type", ["chunked", "continuous"])
 def test_example_in_cuda_memory_on_cuda_double(run, one_process, memory_type):
-    assert_reports(run(2, body_example, "double", memory_type, one_process, world_env=_world("double"), timeout=300))
+    assert_reports(run(2, body_example, "double", memory_type, one_process, world_env=double_world(), timeout=300))
 
 
 @pytest.mark.cuda
 def test_example_in_cuda_memory_on_gpu(run, one_process):
-    assert_reports(run(2, body_example, "gpu", "distributed", one_process, world_env=_world("gpu"), timeout=300))
+    assert_reports(run(2, body_example, "gpu", "distributed", one_process, world_env=WORLD["gpu"], timeout=300))

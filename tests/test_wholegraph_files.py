@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from harness import Report, assert_reports
-from test_wholegraph_api import ROWS, TYPES, _expect, _on_one_rank, _parts, _start, _uneven
-from test_wholememory import _reference
+from wm_helpers import TYPES, _reference, expect as _expect, on_one_rank as _on_one_rank, parts as _parts
+from wm_helpers import start as _start, uneven as _uneven
+
+ROWS = 13
 
 
 def _write(path, t):

@@ -70,6 +70,28 @@ def expect(rep, what, fn, exc, *texts):
     rep.failures.append(f"rank {rep.rank}: {what}: nothing raised")
 
 
+def on_one_rank(rep, what, fn, bad_rank, exc, texts, collective):
+    """fn() fails on bad_rank with exc naming texts; for a collective op the others raise too,
+    naming bad_rank; otherwise they succeed."""
+    if rep.rank == bad_rank:
+        expect(rep, what, fn, exc, f"(rank {bad_rank})", *texts)
+    elif collective:
+        expect(rep, what + " (a peer's bad input)", fn, Exception, f"rank {bad_rank}")
+    else:
+        fn()
+
+
+def uneven(rows, n):
+    """A partition other than the equal one (a rank with none at n = 3)."""
+    return {1: [rows], 2: [rows - 3, 3], 3: [rows - 5, 0, 5]}.get(n, None)
+
+
+def parts(rows, n, partition):
+    """(first row, rows) of each rank under `partition` (None: the equal one)."""
+    counts = partition or [min(rows, (i + 1) * -(-rows // n)) - min(rows, i * -(-rows // n)) for i in range(n)]
+    return [(sum(counts[:i]), c) for i, c in enumerate(counts)]
+
+
 def train_and_check(rep, wgth, emb, kind, params, n, steps=STEPS, what="", rows=ROWS, state_rows=None):
     """STEPS steps through the module (every rank its batch), each lookup and the end state
     against the reference; returns the reference and the optimizer. state_rows: where the states
