@@ -281,7 +281,7 @@ def _rank(rank: int, world: int, port: int, args: dict, queue) -> None:
         f"imported c10d_ext from {c10d_ext.__file__}, expected the tree {args['tree']}"
     torch.set_num_threads(1)
     capsule = _test_double.configure(2, 100 + rank, 0, 64 * 1024, 20000, 90, 100)  # delays at zero
-    _C._install_test_runtime(capsule)
+    _C._install_cuda_platform(capsule)
     lib, allocs = _allocation_counter(args["shim"])
     dist.init_process_group("myccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     _test_double.set_device(rank % 2)

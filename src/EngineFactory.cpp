@@ -1,6 +1,6 @@
 // The one place that knows whether this build has the real CUDA runtime (MYCCL_WITH_NCCL, set by
-// setup.py when torch is a CUDA build and NCCL's header is found) and that picks the Runtime a
-// CUDA engine runs on: real GPUs, or a test runtime a test-only extension installed.
+// setup.py when torch is a CUDA build and NCCL's header is found) and that picks the platform a
+// CUDA engine runs on: the GPU's, or one installed in its place (Engine.hpp, CudaPlatform).
 #include "myccl/Engine.hpp"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -19,13 +19,14 @@ namespace myccl {
 
 namespace {
 
-std::mutex testRuntimeMu;
-std::shared_ptr<TestRuntime> installedTestRuntime;
-std::atomic<bool> haveTestRuntime{false};
+std::mutex platformMu;
+std::shared_ptr<CudaPlatform> installedPlatform;
+std::atomic<bool> havePlatform{false};  // routing asks on every op: no lock while none is installed
 
-std::shared_ptr<TestRuntime> testRuntime() {
-  std::lock_guard<std::mutex> lk(testRuntimeMu);
-  return installedTestRuntime;
+std::shared_ptr<CudaPlatform> installed() {
+  if (!havePlatform.load(std::memory_order_acquire)) return nullptr;
+  std::lock_guard<std::mutex> lk(platformMu);
+  return installedPlatform;
 }
 
 }  // namespace
@@ -38,14 +39,19 @@ bool cudaEngineBuilt() {
 #endif
 }
 
-void installTestRuntime(std::shared_ptr<TestRuntime> runtime) {
-  std::lock_guard<std::mutex> lk(testRuntimeMu);
-  installedTestRuntime = std::move(runtime);
-  haveTestRuntime.store(installedTestRuntime != nullptr, std::memory_order_release);
+void installCudaPlatform(std::shared_ptr<CudaPlatform> platform) {
+  std::lock_guard<std::mutex> lk(platformMu);
+  installedPlatform = std::move(platform);
+  havePlatform.store(installedPlatform != nullptr, std::memory_order_release);
 }
 
-bool testRuntimeInstalled() {
-  return haveTestRuntime.load(std::memory_order_acquire);
+bool cudaEngineAvailable() {
+  return cudaEngineBuilt() || installed() != nullptr;
+}
+
+bool cudaClaims(const at::Device& d) {
+  if (auto p = installed()) return p->claims(d);
+  return d.is_cuda();
 }
 
 std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_ptr<c10d::Store> store,
@@ -53,8 +59,8 @@ std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_
                                        const Config& cfg, std::chrono::milliseconds timeout,
                                        std::shared_ptr<AbortHooks> hooks, std::shared_ptr<Recorder> recorder) {
   cuda::Runtime rt;
-  if (auto test = testRuntime()) {
-    rt = test->make(c10::make_intrusive<c10d::PrefixStore>(keyPrefix + "double/", store));
+  if (auto p = installed()) {
+    rt = p->make(c10::make_intrusive<c10d::PrefixStore>(keyPrefix + "platform/", store));
   } else {
 #ifdef MYCCL_WITH_NCCL
     rt = cuda::realRuntime();
@@ -67,7 +73,7 @@ std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_
 }
 
 std::shared_ptr<cuda::Memory> processMemory() {
-  if (auto test = testRuntime()) return test->memory();
+  if (auto p = installed()) return p->memory();
 #ifdef MYCCL_WITH_NCCL
   return cuda::realMemory();
 #else
@@ -76,7 +82,7 @@ std::shared_ptr<cuda::Memory> processMemory() {
 }
 
 std::shared_ptr<cuda::Device> processDevice() {
-  if (auto test = testRuntime()) return test->device();
+  if (auto p = installed()) return p->device();
 #ifdef MYCCL_WITH_NCCL
   return cuda::realRuntime().device;
 #else

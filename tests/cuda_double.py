@@ -59,7 +59,7 @@ def install() -> None:
         _int("MYCCL_TEST_CUDA_DOUBLE_CAPABILITY", 90),
         _int("MYCCL_TEST_CUDA_DOUBLE_ABORT_MS", 100),
     )
-    _C._install_test_runtime(capsule)
+    _C._install_cuda_platform(capsule)
 
 
 def set_device(index: int) -> None:

@@ -122,42 +122,49 @@ class Engine {
   virtual size_t inFlight() const { return 0; }
 };
 
-// The CUDA engine of a group (communicators made lazily), or an error naming `where` when this
-// build has no NCCL. While a test runtime is installed it runs on that instead.
-// `keyPrefix`: the group incarnation's key space in the store.
+// The CUDA engine of a group (communicators made lazily) on the process's CUDA platform, or an
+// error naming `where` when there is none. `keyPrefix`: the group incarnation's key space in the store.
 std::shared_ptr<Engine> makeCudaEngine(const std::string& where, c10::intrusive_ptr<c10d::Store> store,
                                        const std::string& keyPrefix, int rank, int size, const std::string& group,
                                        const Config& cfg, std::chrono::milliseconds timeout,
                                        std::shared_ptr<AbortHooks> hooks, std::shared_ptr<Recorder> recorder);
 
-// A CUDA runtime other than the GPU's, for tests: a test-only extension (the strict host double,
-// c10d_ext._test_double, built with MYCCL_BUILD_TESTS=1) installs one per process. From then on
-// every group's CUDA engine runs on it, and CPU tensors stand for CUDA tensors (Engines::route).
-class TestRuntime {
+// The CUDA seam's installer: what every group's CUDA engine runs on. By default the GPU's CUDA
+// runtime and NCCL (builds with NCCL); a platform installed in their place (once per process,
+// before any group's first CUDA op) serves every CUDA engine, the process's device and its shared
+// device memory from then on, and says which tensors are its own. Routing asks only claims().
+class CudaPlatform {
  public:
-  virtual ~TestRuntime() = default;
+  virtual ~CudaPlatform() = default;
+  // Whether tensors on `d` are this platform's, so a group's CUDA engine takes them (the GPU's
+  // platform: CUDA devices).
+  virtual bool claims(const at::Device& d) const = 0;
   // The runtime of one CUDA engine; `store`: the engine's own key space in its group's store.
   virtual cuda::Runtime make(c10::intrusive_ptr<c10d::Store> store) = 0;
-  // The process's shared device memory (cuda/Memory.hpp) on the same simulated machine.
+  // The process's shared device memory (cuda/Memory.hpp).
   virtual std::shared_ptr<cuda::Memory> memory() = 0;
-  // The process's device (streams, events, the allocator) on the same simulated machine.
+  // The process's device (streams, events, the allocator).
   virtual std::shared_ptr<cuda::Device> device() = 0;
 };
-// The name of the PyCapsule that carries a std::shared_ptr<TestRuntime>* from the test extension
-// to _C._install_test_runtime (both built by one setup.py run, from the same headers).
-inline constexpr const char* kTestRuntimeCapsule = "myccl.TestRuntime.v1";
-void installTestRuntime(std::shared_ptr<TestRuntime> runtime);
-bool testRuntimeInstalled();
+// The name of the PyCapsule that carries a std::shared_ptr<CudaPlatform>* from the extension
+// that made it to _C._install_cuda_platform (both built by one setup.py run, from the same headers).
+inline constexpr const char* kCudaPlatformCapsule = "myccl.CudaPlatform.v1";
+void installCudaPlatform(std::shared_ptr<CudaPlatform> platform);
 
 // Whether this build can run CUDA tensors on a GPU.
 bool cudaEngineBuilt();
-// The process's shared device memory: the installed test runtime's, else the real one (builds
-// with the CUDA engine); null where neither exists.
+// Whether a group can make a CUDA engine: a platform is installed, or this build has the GPU's.
+bool cudaEngineAvailable();
+// Whether tensors on `d` go to a group's CUDA engine: the installed platform's answer, else
+// whether `d` is a CUDA device. The one rule routing uses (Engines.hpp).
+bool cudaClaims(const at::Device& d);
+// The process's shared device memory: the installed platform's, else the GPU's (builds with the
+// CUDA engine); null where neither exists.
 std::shared_ptr<cuda::Memory> processMemory();
-// The process's CUDA device seam (cuda/Runtime.hpp, Device): the installed test runtime's, else
-// the real one (builds with the CUDA engine); null where neither exists. For code above the
-// engines that orders its own work on streams (the Horovod layer), so that it runs on the double
-// in tests exactly as on a GPU.
+// The process's CUDA device seam (cuda/Runtime.hpp, Device): the installed platform's, else the
+// GPU's (builds with the CUDA engine); null where neither exists. For code above the engines
+// that orders its own work on streams (the Horovod layer), so that it runs on any platform
+// exactly as on a GPU.
 std::shared_ptr<cuda::Device> processDevice();
 // The version of the libnccl this process loaded ("" without the CUDA engine).
 std::string ncclRuntimeVersion();

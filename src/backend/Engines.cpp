@@ -14,11 +14,16 @@ void Engines::init(std::shared_ptr<cpu::CpuEngine> cpu, std::shared_ptr<Recorder
   makeCuda_ = std::move(makeCuda);
 }
 
+bool onCudaEngine(const at::Device& d) {
+  return cudaClaims(d);
+}
+
 bool onCudaEngine(const at::Tensor& t) {
-  return !t.device().is_cpu() || testRuntimeInstalled();
+  return onCudaEngine(t.device());
 }
 
 bool Engines::onDevice(const at::Tensor& t) const { return onCudaEngine(t); }
+bool Engines::onDevice(const at::Device& d) const { return onCudaEngine(d); }
 
 Held<Engine> Engines::route(const Where& where, const std::vector<at::Tensor>& tensors) {
   MYCCL_CHECK_ARG(!tensors.empty(), where, ": expected at least one tensor");
@@ -45,9 +50,9 @@ Held<Engine> Engines::route(const Where& where, const std::vector<at::Tensor>& t
 std::optional<at::Device> Engines::barrierDevice(const Where& where, const c10d::BarrierOptions& opts,
                                                  std::optional<at::Device> bound) {
   // torch's Python fills BarrierOptions::device, but its dispatcher op passes only device_ids on.
-  // A test runtime has no CPU tensors of its own: its barrier is the CUDA engine's.
-  const bool stands = testRuntimeInstalled();
-  if (opts.device.has_value() && (opts.device->is_cuda() || stands)) return opts.device;
+  // Where the CUDA engine takes host tensors too (cudaClaims), a barrier on the host is its.
+  const bool hostOnDevice = onCudaEngine(at::Device(at::kCPU));
+  if (opts.device.has_value() && onCudaEngine(*opts.device)) return opts.device;
   if (!opts.device_ids.empty()) {
     const int64_t id = opts.device_ids.front();
     MYCCL_CHECK_ARG(id >= 0, where, ": device_ids[0] must be a CUDA device index, got ", id);
@@ -58,7 +63,7 @@ std::optional<at::Device> Engines::barrierDevice(const Where& where, const c10d:
     const int last = cuda->lastDevice();
     if (last >= 0) return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(last));
   }
-  if (stands) return at::Device(at::kCUDA);
+  if (hostOnDevice) return at::Device(at::kCUDA);
   return std::nullopt;
 }
 
@@ -74,7 +79,7 @@ std::shared_ptr<cpu::CpuEngine> Engines::cpuOwned(const Where& where) const {
 }
 
 Held<Engine> Engines::cuda(const Where& where) {
-  MYCCL_CHECK_ARG(cudaEngineBuilt() || testRuntimeInstalled(), where,
+  MYCCL_CHECK_ARG(cudaEngineAvailable(), where,
                   ": this needs the NCCL engine, which this myccl build does not have");
   auto lock = hold();
   return Held<Engine>(std::move(lock), &cudaLocked(where));

@@ -103,7 +103,7 @@ c10::intrusive_ptr<c10d::Backend::Options> MycclBackend::getBackendOptions() {
 }
 
 void MycclBackend::eagerConnectSingleDevice(at::Device device) {
-  if (device.is_cuda() && (cudaEngineBuilt() || testRuntimeInstalled()))
+  if (device.is_cuda() && cudaEngineAvailable())
     engines_.cuda(where("eager_connect"))->eagerConnect(device);
 }
 

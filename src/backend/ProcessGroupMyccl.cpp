@@ -52,10 +52,10 @@ WorkRef MycclBackend::allreduceScaled(at::Tensor& tensor, double scale) {
   MYCCL_CHECK_ARG(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous() &&
                       (tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kDouble),
                   w, ": a scaled sum needs a contiguous float32/float64 CPU tensor, got ", describe(tensor));
-  // Every other op on this tensor goes to the CUDA engine (the test double): a scaled sum on the
-  // CPU engine would reduce it on another transport than its peers' ops.
+  // Every other op on this tensor goes to the CUDA engine: a scaled sum on the CPU engine would
+  // reduce it on another transport than its peers' ops.
   MYCCL_CHECK_ARG(!onDevice(tensor), w, ": a scaled sum runs on the CPU engine only, and this group sends ",
-                  describe(tensor), " to the CUDA engine (a test runtime stands in for CUDA)");
+                  describe(tensor), " to the CUDA engine");
   MYCCL_CHECK_ARG(scale != 0.0 && std::isfinite(scale), w, ": scale must be finite and non-zero, got ", scale);
   checkWritable(w, tensor, "tensor");
   const c10d::AllreduceOptions opts;
@@ -71,7 +71,7 @@ WorkRef MycclBackend::agreedAllreduce(at::Tensor& tensor, at::Tensor& agreed, in
   MYCCL_CHECK_ARG(tensor.defined() && tensor.device().is_cpu() && !tensor.is_sparse(), w,
                   ": needs a dense CPU tensor, got ", describe(tensor));
   MYCCL_CHECK_ARG(!onDevice(tensor), w, ": runs on the CPU engine only, and this group sends ", describe(tensor),
-                  " to the CUDA engine (a test runtime stands in for CUDA)");
+                  " to the CUDA engine");
   MYCCL_CHECK_ARG(agreed.defined() && agreed.device().is_cpu() && agreed.numel() == 1 &&
                       (agreed.scalar_type() == at::kByte || agreed.scalar_type() == at::kBool),
                   w, ": the answer goes into one uint8 or bool CPU element, got ", describe(agreed));
@@ -85,10 +85,10 @@ WorkRef MycclBackend::agreedAllreduce(at::Tensor& tensor, at::Tensor& agreed, in
 }
 
 bool MycclBackend::agreedAvailable() {
-  // The same answer on every rank: one host with shared memory is the group's, and so is a test
-  // runtime (which sends CPU tensors to the CUDA engine). Makes the CPU engine if it is not yet
-  // made, which is collective: ask on every rank alike (c10d_ext.horovod asks after its first op).
-  if (testRuntimeInstalled()) return false;
+  // The same answer on every rank: one host with shared memory is the group's, and so is where
+  // the CUDA engine takes CPU tensors too (no CPU op has them). Makes the CPU engine if it is not
+  // yet made, which is collective: ask on every rank alike (c10d_ext.horovod asks after its first op).
+  if (onDevice(at::Device(at::kCPU))) return false;
   return engines_.cpu(where("agreed all_reduce"))->agreedAvailable();
 }
 

@@ -314,10 +314,11 @@ PYBIND11_MODULE(_C, m) {
   bindHorovod(m);
   bindHorovodHeld(m);
   bindDevice(m);
-  // For the test-only extension c10d_ext._test_double (Engine.hpp, TestRuntime).
-  m.def("_install_test_runtime", [](py::object capsule) {
-    void* p = PyCapsule_GetPointer(capsule.ptr(), myccl::kTestRuntimeCapsule);
+  // The CUDA seam's installer (Engine.hpp, CudaPlatform): a platform another extension made
+  // serves every CUDA engine of this process from now on.
+  m.def("_install_cuda_platform", [](py::object capsule) {
+    void* p = PyCapsule_GetPointer(capsule.ptr(), myccl::kCudaPlatformCapsule);
     if (p == nullptr) throw py::error_already_set();
-    myccl::installTestRuntime(*static_cast<std::shared_ptr<myccl::TestRuntime>*>(p));
+    myccl::installCudaPlatform(*static_cast<std::shared_ptr<myccl::CudaPlatform>*>(p));
   });
 }

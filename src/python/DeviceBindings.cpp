@@ -1,8 +1,8 @@
 // The CUDA device seam (cuda/Runtime.hpp, Device and Event) for Python code above the engines
 // that orders its own work on streams: the Horovod layer's streams, ready and done events,
-// staging tensors and recordStream. On a GPU these are torch's CUDA calls; while the test double
-// is installed they are the double's, so the layer's stream discipline runs in CI exactly as on a
-// GPU. A stream crosses the boundary as (stream id, device index).
+// staging tensors and recordStream: the CUDA platform's (Engine.hpp), torch's CUDA calls on a
+// GPU, so the layer's stream discipline runs on any platform (the test double in CI) as on a GPU.
+// A stream crosses the boundary as (stream id, device index).
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 

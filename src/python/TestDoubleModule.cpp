@@ -1,6 +1,7 @@
 // c10d_ext._test_double: the strict CUDA/NCCL host double (src/cuda/double) as a test-only
 // extension, built only with MYCCL_BUILD_TESTS=1 and never part of c10d_ext._C or a wheel. It
-// hands _C a TestRuntime (through a capsule, Engine.hpp) and gives tests the double's hooks: the
+// hands _C a CudaPlatform (through a capsule, Engine.hpp) that claims CPU tensors as the
+// simulated devices' own, and gives tests the double's hooks: the
 // calling thread's simulated device and stream, synchronising the devices, and the violations and
 // counters tests assert on. tests/cuda_double.py wraps it.
 #include <pybind11/stl.h>
@@ -17,9 +18,11 @@ namespace td = myccl::cuda::testdouble;
 
 namespace {
 
-class DoubleRuntime final : public myccl::TestRuntime {
+// The double's tensors are CPU tensors standing for CUDA tensors: it claims both kinds.
+class DoublePlatform final : public myccl::CudaPlatform {
  public:
-  explicit DoubleRuntime(std::shared_ptr<td::Machine> m) : machine_(std::move(m)) {}
+  explicit DoublePlatform(std::shared_ptr<td::Machine> m) : machine_(std::move(m)) {}
+  bool claims(const at::Device& d) const override { return d.is_cpu() || d.is_cuda(); }
   myccl::cuda::Runtime make(c10::intrusive_ptr<c10d::Store> store) override {
     return td::runtime(machine_, std::move(store));
   }
@@ -49,13 +52,13 @@ c10::Stream streamById(int64_t id) {
 }
 
 void destroyCapsule(PyObject* capsule) {
-  delete static_cast<std::shared_ptr<myccl::TestRuntime>*>(PyCapsule_GetPointer(capsule, myccl::kTestRuntimeCapsule));
+  delete static_cast<std::shared_ptr<myccl::CudaPlatform>*>(PyCapsule_GetPointer(capsule, myccl::kCudaPlatformCapsule));
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_test_double, m) {
-  // The process's simulated machine, once (later calls change nothing), and the runtime to install.
+  // The process's simulated machine, once (later calls change nothing), and the platform to install.
   m.def("configure", [](int devices, int64_t seed, int delayUs, int64_t eagerBytes, int64_t hangMs, int capability,
                         int64_t abortMs) {
     td::Options o;
@@ -66,8 +69,8 @@ PYBIND11_MODULE(_test_double, m) {
     o.hangMs = hangMs;
     o.computeCapability = capability;
     o.abortTailMs = abortMs;
-    auto rt = new std::shared_ptr<myccl::TestRuntime>(std::make_shared<DoubleRuntime>(td::machine(o)));
-    return py::reinterpret_steal<py::object>(PyCapsule_New(rt, myccl::kTestRuntimeCapsule, destroyCapsule));
+    auto p = new std::shared_ptr<myccl::CudaPlatform>(std::make_shared<DoublePlatform>(td::machine(o)));
+    return py::reinterpret_steal<py::object>(PyCapsule_New(p, myccl::kCudaPlatformCapsule, destroyCapsule));
   });
   m.def("set_device", [](int index) { td::device(machine())->set(index); });
   // Device order (Machine::setDeviceOrder): each simulated device runs one launch at a time.

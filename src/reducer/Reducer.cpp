@@ -127,8 +127,8 @@ std::string Reducer::describe(const std::vector<size_t>& indices) const {
 // ---- buckets ---------------------------------------------------------------------------------
 
 bool Reducer::routedToDevice(const at::Tensor& t) const {
-  // The backend's own rule when myccl carries the parameters (under the CUDA test double its
-  // CPU tensors go to the CUDA engine); any other backend: device tensors to its device side.
+  // The backend's own rule when myccl carries the parameters (the tensors its CUDA platform
+  // claims go to the CUDA engine); any other backend: device tensors to its device side.
   return myccl_ ? myccl_->onDevice(t) : !t.device().is_cpu();
 }
 

@@ -1,7 +1,7 @@
 // How the Reducer orders its own device work (private to src/reducer): the stream the calling
 // thread's tensor ops run on now, and events between streams. Two sources, one interface: the
-// CUDA engine's seam when myccl carries the parameters (the CUDA runtime, or the test double, so
-// CI runs this very logic), c10's device-generic streams and events for other backends' device
+// CUDA engine's seam when myccl carries the parameters (its CUDA platform's, so CI runs this very
+// logic without a GPU), c10's device-generic streams and events for other backends' device
 // tensors (no CUDA header either way).
 #pragma once
 

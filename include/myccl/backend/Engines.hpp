@@ -40,8 +40,10 @@ class Held {
   E* engine_;
 };
 
-// The rule route() uses: whether a (valid) tensor goes to a group's CUDA engine.
+// The rule route() uses: whether a (valid) tensor, or tensors on a device, go to a group's CUDA
+// engine: those the CUDA platform claims (Engine.hpp, cudaClaims).
 bool onCudaEngine(const at::Tensor& t);
+bool onCudaEngine(const at::Device& d);
 
 class Engines {
  public:
@@ -53,11 +55,12 @@ class Engines {
   void init(std::shared_ptr<cpu::CpuEngine> cpu, std::shared_ptr<Recorder> recorder, CudaMaker makeCuda);
 
   // The engine for these tensors: all on CPU, or all on CUDA (with NCCL built); anything else
-  // raises, naming `where` ("all_gather (rank 3)"). While a test runtime stands in for CUDA
-  // (installTestRuntime), CPU tensors go to the CUDA engine.
+  // raises, naming `where` ("all_gather (rank 3)"). Which engine takes them is onCudaEngine's.
   Held<Engine> route(const Where& where, const std::vector<at::Tensor>& tensors);
-  // Whether a (valid) tensor goes to the CUDA engine, by the rule route() uses (onCudaEngine).
+  // Whether a (valid) tensor, or tensors on `d`, go to the CUDA engine, by the rule route() uses
+  // (onCudaEngine).
   bool onDevice(const at::Tensor& t) const;
+  bool onDevice(const at::Device& d) const;
   // The device a barrier orders, as torch's nccl picks it: device_ids[0], else the group's bound
   // device, else the device of the CUDA engine's latest op; none: a CPU barrier.
   std::optional<at::Device> barrierDevice(const Where& where, const c10d::BarrierOptions& opts,

@@ -193,12 +193,14 @@ class MycclBackend final : public c10d::Backend {
 #endif
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
                                            const c10::intrusive_ptr<Options>& optsOverride = nullptr);
-  // The engine an op sends a (valid) tensor to, by the one rule every op routes with: true for
-  // the CUDA engine (CUDA tensors, and CPU tensors while a test runtime stands in for CUDA). For
-  // callers that must choose between CPU-only and device paths as the backend does (the Reducer).
+  // The engine an op sends a (valid) tensor, or tensors on `d`, to, by the one rule every op
+  // routes with: true for the CUDA engine (the tensors the CUDA platform claims, Engine.hpp).
+  // For callers that must choose between CPU-only and device paths as the backend does (the
+  // Reducer, the Horovod layer's agreed all_reduce).
   bool onDevice(const at::Tensor& t) const { return engines_.onDevice(t); }
-  // The CUDA engine's device seam (the CUDA runtime, or the test double), the engine made on
-  // first use: the DDP Reducer orders its gradient copies with streams and events through it.
+  bool onDevice(const at::Device& d) const { return engines_.onDevice(d); }
+  // The CUDA engine's device seam (the CUDA platform's), the engine made on first use: the DDP
+  // Reducer orders its gradient copies with streams and events through it.
   // Raises, as a CUDA op would, when this build has no CUDA engine.
   std::shared_ptr<cuda::Device> cudaDevice();
 
