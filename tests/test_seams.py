@@ -1,6 +1,8 @@
 """The core knows its seams, not what plugs into them. The CUDA test double enters only through
 the CUDA platform that routing asks (include/myccl/Engine.hpp, CudaPlatform), so no file of the
-backend, the CPU engine or the Reducer names it and no error a user sees mentions it."""
+backend, the CPU engine or the Reducer names it and no error a user sees mentions it. A
+PREMUL_SUM on CPU tensors is what the DDP Reducer's fused average uses: its factor is each rank's
+own, and the sum is exact either way."""
 
 from __future__ import annotations
 
@@ -89,3 +91,38 @@ def test_agreed_all_reduce_under_the_double_is_refused_plainly(run):
     if not cuda_double.available():
         pytest.skip("the CUDA test double is not built (MYCCL_BUILD_TESTS=1)")
     assert_reports(run(2, body_agreed_under_the_double, timeout=120, world_env=DOUBLE))
+
+
+def body_premul_sum_factors(ctx):
+    """PREMUL_SUM all_reduces of float32/float64 CPU tensors, each rank its own factor or all the
+    same one, at the sizes of each shared-memory path (one step, sliced, zero copy) and over TCP:
+    bit for bit the rank-order sum of each rank's input times its factor, rounded in the type."""
+    import c10d_ext
+
+    ctx.init(timeout=60, pg_options=c10d_ext.Options(shm_buffer_bytes=64 * 1024))
+    rep = Report(ctx)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    sizes = (5, 3000, 100_000)  # one step; sliced through 64 KiB buffers; zero-copy candidates
+    for dtype in (torch.float32, torch.float64):
+        for numel in sizes:
+            for mode in ("same", "own"):
+                g = torch.Generator().manual_seed(numel + len(mode))
+                xs = [torch.randn(numel, generator=g, dtype=torch.float64).to(dtype) * 100 for _ in range(ctx.size)]
+                factors = [0.25] * ctx.size if mode == "same" else [0.5 + 0.25 * r for r in range(ctx.size)]
+                want = xs[0] * factors[0]
+                for r in range(1, ctx.size):
+                    want = want + xs[r] * factors[r]
+                for alloc in (False, True):
+                    t = (backend.allocate_tensor(numel, dtype=dtype, device=torch.device("cpu")) if alloc
+                         else torch.empty(numel, dtype=dtype))
+                    t.copy_(xs[ctx.rank])
+                    dist.all_reduce(t, op=dist._make_nccl_premul_sum(factors[ctx.rank]))
+                    rep.check(torch.equal(t, want), f"PREMUL_SUM {mode} factors {dtype} x {numel} "
+                                                    f"(registered memory: {alloc}): max diff "
+                                                    f"{(t.double() - want.double()).abs().max().item()}")
+    return rep.result()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_premul_sum_is_exact_with_each_ranks_factor(run, size):
+    assert_reports(run(size, body_premul_sum_factors, timeout=180))

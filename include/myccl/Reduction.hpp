@@ -27,10 +27,11 @@ struct ReduceSpec {
   RedOp op = RedOp::Sum;
   // Non-zero: divide the final result by this (ReduceOp.AVG). Integers truncate toward zero.
   int64_t divisor = 0;
-  // Non-zero (SUM of float32/float64 only): every input is multiplied by this, rounded in the
-  // element type, as it is summed: sum(round(x_q * scale)), bit for bit what scaling each
-  // input first and summing gives, without the separate pass. All ranks must use the same
-  // value; only the DDP reducer sets it (its gradient average, fused into the reduction).
+  // Non-zero (SUM of float32/float64 only): this rank's input is multiplied by this, rounded in
+  // the element type, as it is summed: sum(round(x_q * scale)), bit for bit what scaling each
+  // input first and summing gives, without the separate pass. The CPU engine sets it for a
+  // PREMUL_SUM all_reduce (each rank's own factor); an algorithm that folds peers' raw inputs
+  // with it first checks that every rank passed the same (Select.cpp).
   double scale = 0.0;
 };
 

@@ -54,6 +54,15 @@ using PreMulSumSupplement = c10d::PreMulSumSupplement;
 using PreMulSumSupplement = c10d::NCCLPreMulSumSupplement;
 #endif
 
+// ReduceOp.PREMUL_SUM with a plain factor (torch's makeNCCLPreMulSum, renamed with the
+// supplement), built from its two fields, which every supported torch has.
+inline c10d::ReduceOp makePreMulSum(double factor) {
+  c10d::ReduceOp op;
+  op.op_ = c10d::ReduceOp::PREMUL_SUM;
+  op.supplement_ = c10::make_intrusive<PreMulSumSupplement>(factor);
+  return op;
+}
+
 // The holder of autograd graph nodes (a gradient accumulator, grad_fn): std::shared_ptr until
 // torch 2.12, c10::intrusive_ptr from 2.13.
 #if MYCCL_TORCH_AT_LEAST(2, 13)

@@ -6,8 +6,6 @@
 
 #include <ATen/ATen.h>
 
-#include <cmath>
-
 #include "myccl/Arguments.hpp"
 #include "myccl/Engine.hpp"
 #include "myccl/Errors.hpp"
@@ -45,25 +43,6 @@ WorkRef MycclBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::Al
   auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout, opts.asyncOp);
   annotate(i, tensors[0], -1, reduceOpName(opts.reduceOp.op_));
   return record(e->allreduce(std::move(i), tensors, red));
-}
-
-WorkRef MycclBackend::allreduceScaled(at::Tensor& tensor, double scale) {
-  const auto w = where("all_reduce");
-  MYCCL_CHECK_ARG(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous() &&
-                      (tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kDouble),
-                  w, ": a scaled sum needs a contiguous float32/float64 CPU tensor, got ", describe(tensor));
-  // Every other op on this tensor goes to the CUDA engine: a scaled sum on the CPU engine would
-  // reduce it on another transport than its peers' ops.
-  MYCCL_CHECK_ARG(!onDevice(tensor), w, ": a scaled sum runs on the CPU engine only, and this group sends ",
-                  describe(tensor), " to the CUDA engine");
-  MYCCL_CHECK_ARG(scale != 0.0 && std::isfinite(scale), w, ": scale must be finite and non-zero, got ", scale);
-  checkWritable(w, tensor, "tensor");
-  const c10d::AllreduceOptions opts;
-  auto red = toReduction(w, tensor, opts.reduceOp, size_, onDevice(tensor));
-  red.spec.scale = scale;
-  auto i = info(OpType::ALLREDUCE, "all_reduce", opts.timeout, true);
-  annotate(i, tensor, -1, "SUM(scaled)");
-  return record(engines_.cpu(w)->allreduce(std::move(i), {tensor}, red));
 }
 
 WorkRef MycclBackend::agreedAllreduce(at::Tensor& tensor, at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op) {

@@ -18,6 +18,11 @@ std::vector<at::Tensor> flatList(const std::vector<std::vector<at::Tensor>>& lis
   return out;
 }
 
+// Whether a PREMUL_SUM can be a scaled sum (ReduceSpec::scale): SUM of float32/float64.
+bool scalable(const ReduceSpec& spec) {
+  return spec.op == RedOp::Sum && spec.divisor == 0 && (spec.dtype == DType::F32 || spec.dtype == DType::F64);
+}
+
 }  // namespace
 
 CpuEngine::WorkPtr CpuEngine::broadcast(OpInfo info, at::Tensor t, int root) {
@@ -37,6 +42,15 @@ CpuEngine::WorkPtr CpuEngine::allreduce(OpInfo info, std::vector<at::Tensor> ten
     if (tensors.size() == 1) {
       auto s = Staged::of(tensors[0], true);
       c.bytes = s.nbytes();
+      if (red.premul && scalable(spec)) {
+        // float32/float64: the factor rides on the sum (a scaled sum, the same bits as scaling
+        // first), which saves the shared-memory algorithms a pass over the tensor.
+        ReduceSpec scaled = spec;
+        scaled.scale = red.factor;
+        cpu::allreduce(c, s.ptr(), s.work.numel(), scaled);
+        s.commit();
+        return;
+      }
       if (red.premul) scaleInPlace(spec.dtype, s.ptr(), s.work.numel(), red.factor);
       cpu::allreduce(c, s.ptr(), s.work.numel(), spec);
       s.commit();

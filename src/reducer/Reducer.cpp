@@ -411,12 +411,13 @@ void Reducer::markUnusedOnce() {
   }
 }
 
-// Average inside the reduction (myccl's scaled sum: sum of round(g * 1/d)) instead of scaling
-// every gradient on the way into the bucket: with gradient_as_bucket_view that saves a pass
-// over all gradients per step. Only where the result is the same bits torch's reducer gets
-// (it divides each gradient by d, then sums): float32/float64, d a power of two, so 1/d is
-// exact and x * (1/d) == x / d. Every rank must decide alike, so not under join() (joined
-// ranks shadow with zeros and may count a different d), and not with a comm hook.
+// Average inside the reduction (ReduceOp.PREMUL_SUM with 1/d, which myccl's CPU engine folds into
+// its sum: sum of round(g * 1/d)) instead of scaling every gradient on the way into the bucket:
+// with gradient_as_bucket_view that saves a pass over all gradients per step. Only where the
+// result is the same bits torch's reducer gets (it divides each gradient by d, then sums):
+// float32/float64, d a power of two, so 1/d is exact and x * (1/d) == x / d. Every rank must
+// decide alike, so not under join() (joined ranks shadow with zeros and may count a different
+// d), and not with a comm hook.
 bool Reducer::fusedAverage(const Bucket& bucket) {
   if (!allowFused_ || hook_ || !myccl_ || joinFuture_ || shadowing_ || bucket.sparse || bucket.onDevice) return false;
   const auto st = bucket.buffer.scalar_type();
@@ -592,12 +593,13 @@ c10::intrusive_ptr<c10::ivalue::Future> Reducer::runReduction(size_t index, cons
     auto gb = std::make_shared<GradBucket>(index, buckets_.size(), buffer, std::move(ps), bucket.offsets, bucket.lengths);
     return hook_->run(gb);
   }
+  std::vector<at::Tensor> ts{buffer.is_complex() ? at::view_as_real(buffer) : buffer};
   if (fusedAverage(bucket)) {
-    at::Tensor b = buffer;
-    return myccl_->allreduceScaled(b, 1.0 / static_cast<double>(divFactor()))->getFuture();
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = compat::makePreMulSum(1.0 / static_cast<double>(divFactor()));
+    return pg_->allreduce(ts, opts)->getFuture();
   }
   // Averaged already (scaled on the way in): a plain sum finishes it.
-  std::vector<at::Tensor> ts{buffer.is_complex() ? at::view_as_real(buffer) : buffer};
   return pg_->allreduce(ts)->getFuture();
 }
 

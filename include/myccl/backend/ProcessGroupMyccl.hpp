@@ -52,11 +52,6 @@ class MycclBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
-  // For the DDP reducer: sum over ranks of round(x * scale) for a contiguous float32/float64 CPU
-  // tensor, the gradient average fused into the reduction (no separate scaling pass on the
-  // shared-memory path). Every rank must pass the same scale. CPU engine only: a tensor that
-  // onDevice() sends to the CUDA engine is refused.
-  c10::intrusive_ptr<c10d::Work> allreduceScaled(at::Tensor& tensor, double scale);
   // For c10d_ext.horovod: an all_reduce that runs only if every rank offers the same nonzero
   // `key` with the same size and op (one step in shared memory, one host); `agreed` (one uint8)
   // says whether it did. Ranks that disagree all get 0 and the group stays usable. CPU engine.

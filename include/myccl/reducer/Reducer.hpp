@@ -1,10 +1,10 @@
 // The gradient Reducer behind c10d_ext.DistributedDataParallel: flat bucket buffers, autograd
 // hooks that mark gradients ready, one asynchronous allreduce (or comm hook) per full bucket in
 // bucket order, and at the end of backward: wait, unflatten, write the averaged gradients.
-// It talks to any c10d::ProcessGroup through its public API, so it runs on myccl, gloo and nccl,
-// with one exception: when myccl carries CPU parameters on its CPU engine it calls
-// MycclBackend::allreduceScaled (the gradient average fused into the sum), which no torch API
-// offers; other backends get a plain allreduce of pre-scaled buckets. Buckets the backend sends
+// It talks to any c10d::ProcessGroup through its public API, so it runs on myccl, gloo and nccl.
+// When myccl carries CPU parameters on its CPU engine the gradient average rides on the sum
+// (ReduceOp.PREMUL_SUM, which that engine folds into its reduction); other backends get a plain
+// allreduce of pre-scaled buckets. Buckets the backend sends
 // to a device engine (MycclBackend::onDevice; CUDA tensors elsewhere) take the device path:
 // scaled on the way in, plain allreduce or comm hook, stream-ordered, no host synchronisation.
 #pragma once
@@ -49,7 +49,7 @@ struct BucketTimes {
   size_t numParams = 0;
   bool sparse = false;
   bool backendMemory = false;  // the buffer came from Backend::allocateTensor
-  bool fusedAverage = false;   // averaged inside the reduction (myccl's scaled sum)
+  bool fusedAverage = false;   // averaged inside the reduction (PREMUL_SUM on myccl's CPU engine)
   bool onDevice = false;       // reduced by a device engine (stream-ordered; no CPU-only path)
   size_t streamWaits = 0;      // device: other streams that copied into it and the launch waited for
   size_t gradCopies = 0;       // gradients copied into the bucket this iteration (the rest already lived there)

@@ -182,6 +182,13 @@ bool oneStep(const ShmGroup& g, size_t count, size_t nbytes) {
 }  // namespace
 
 void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec) {
+  if (spec.scale != 0.0 && !sameScale(c, g, count, spec)) {
+    // Ranks passed different factors: each scales its own input, and the sum is plain.
+    scaleInPlace(spec.dtype, buf, count, spec.scale);
+    ReduceSpec plain = spec;
+    plain.scale = 0.0;
+    return allreduce(c, g, buf, count, plain);
+  }
   const size_t nbytes = count * dtypeSize(spec.dtype);
   if (oneStep(g, count, nbytes)) return allreduceOneStep(c, g, buf, count, spec);
   allreduceSliced(c, g, buf, count, spec, nbytes >= kZeroCopyMinBytes);

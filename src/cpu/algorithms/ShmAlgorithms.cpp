@@ -26,6 +26,7 @@ uint64_t reduceArg(size_t count, const ReduceSpec& spec) {
 }
 
 constexpr uint64_t kAgreedArg = 0x41475245;  // "AGRE": the agreed op's fixed word
+constexpr uint64_t kScaleOffer = 0x5343414c;  // "SCAL": beside a scaled sum's factor (sameScale)
 
 uint64_t bytesArg(size_t nbytes, uint64_t root) {
   return (static_cast<uint64_t>(nbytes) << 8) | (root & 0xff);
@@ -123,6 +124,16 @@ void allreduceOneStep(CollCtx& c, ShmGroup& g, void* buf, size_t count, const Re
   g.post(s);
   g.waitAll(s, c.deadline);
   foldStaged(c, g, s, data, count, spec);
+}
+
+bool sameScale(CollCtx& c, ShmGroup& g, size_t count, const ReduceSpec& spec) {
+  StepDesc desc{c.tagBase, reduceArg(count, spec)};
+  std::memcpy(&desc.agree[0], &spec.scale, sizeof(double));  // never 0: the scale is not 0
+  desc.agree[1] = kScaleOffer;
+  const uint32_t s = g.begin(desc, c.deadline);
+  g.post(s);
+  g.waitAll(s, c.deadline);
+  return g.allAgree(s);
 }
 
 bool allreduceAgreed(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec, uint64_t key) {

@@ -16,6 +16,10 @@ void allreduceOneStep(CollCtx& c, ShmGroup& g, void* buf, size_t count, const Re
 // reduction. Returns whether it reduced; ranks that disagree all return false from the same step,
 // with nothing written and the group usable.
 bool allreduceAgreed(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec, uint64_t key);
+// One step: whether every rank passed the same ReduceSpec::scale (a PREMUL_SUM factor is each
+// rank's own); the same answer on every rank. A scaled sum folds peers' raw inputs with this
+// rank's factor, so it runs only where they agree.
+bool sameScale(CollCtx& c, ShmGroup& g, size_t count, const ReduceSpec& spec);
 // A reduce-scatter of staged slices then an all-gather, chunk by chunk through the staging buffers.
 void allreduceSliced(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec, bool tryZeroCopy);
 void pipelinedBroadcast(CollCtx& c, ShmGroup& g, void* buf, size_t nbytes, int root, bool tryZeroCopy);
