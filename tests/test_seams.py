@@ -1,8 +1,10 @@
 """The core knows its seams, not what plugs into them. The CUDA test double enters only through
 the CUDA platform that routing asks (include/myccl/Engine.hpp, CudaPlatform), so no file of the
-backend, the CPU engine or the Reducer names it and no error a user sees mentions it. A
-PREMUL_SUM on CPU tensors is what the DDP Reducer's fused average uses: its factor is each rank's
-own, and the sum is exact either way."""
+backend, the CPU engine or the Reducer names it and no error a user sees mentions it. Ops of
+layers above enter the CPU engine through its one extension point (include/myccl/cpu/Extension.hpp)
+and move bytes through the algorithms' entry points, so no file outside src/cpu/algorithms
+includes that folder's private headers. A PREMUL_SUM on CPU tensors is what the DDP Reducer's
+fused average uses: its factor is each rank's own, and the sum is exact either way."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ CORE_DIRS = ("src/backend", "src/cpu", "src/reducer", "include/myccl/backend", "
 CORE_FLAT = ("src", "include/myccl")  # their own files only (src/cuda, src/python are not the core)
 NAMES_THE_DOUBLE = re.compile(r"test[ _]?runtime|test[ _]?double|testdouble|cuda[ _]?double|stands in for cuda",
                               re.IGNORECASE)
+PRIVATE_ALGORITHM_HEADERS = re.compile(r'#include\s+"[^"]*algorithms/(?!Algorithms\.hpp|LinkModel\.hpp|Tags\.hpp)'
+                                       r'[A-Za-z]+\.hpp"')
 
 
 def _sources(dirs=CORE_DIRS, flat=CORE_FLAT):
@@ -57,6 +61,21 @@ def test_the_core_never_names_the_test_double():
 def test_the_scan_finds_a_mention(tmp_path):
     (tmp_path / "Routing.cpp").write_text("// CPU tensors go to the CUDA engine while a test runtime is installed\n")
     assert _offenders(NAMES_THE_DOUBLE, _sources(dirs=(), flat=(str(tmp_path),)))
+
+
+def test_only_the_algorithms_include_their_private_headers():
+    outside = [f for f in _sources(dirs=("src", "include"), flat=())
+               if not os.path.relpath(f, ROOT).startswith("src/cpu/algorithms/")]
+    hits = _offenders(PRIVATE_ALGORITHM_HEADERS, outside)
+    assert not hits, ("files outside src/cpu/algorithms include its private headers (use Algorithms.hpp's entry "
+                      "points, which Select.cpp chooses behind):\n  " + "\n  ".join(hits))
+
+
+def test_the_include_scan_finds_one(tmp_path):
+    (tmp_path / "Ops.cpp").write_text('#include "cpu/algorithms/ShmAlgorithms.hpp"\n')
+    (tmp_path / "Fine.cpp").write_text('#include "myccl/cpu/algorithms/Algorithms.hpp"\n')
+    hits = _offenders(PRIVATE_ALGORITHM_HEADERS, _sources(dirs=(), flat=(str(tmp_path),)))
+    assert len(hits) == 1 and "Ops.cpp" in hits[0], hits
 
 
 # ---- behaviour -------------------------------------------------------------------------------

@@ -45,30 +45,13 @@ WorkRef MycclBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::Al
   return record(e->allreduce(std::move(i), tensors, red));
 }
 
-WorkRef MycclBackend::agreedAllreduce(at::Tensor& tensor, at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op) {
-  const auto w = where("agreed all_reduce");
-  MYCCL_CHECK_ARG(tensor.defined() && tensor.device().is_cpu() && !tensor.is_sparse(), w,
-                  ": needs a dense CPU tensor, got ", describe(tensor));
-  MYCCL_CHECK_ARG(!onDevice(tensor), w, ": runs on the CPU engine only, and this group sends ", describe(tensor),
-                  " to the CUDA engine");
-  MYCCL_CHECK_ARG(agreed.defined() && agreed.device().is_cpu() && agreed.numel() == 1 &&
-                      (agreed.scalar_type() == at::kByte || agreed.scalar_type() == at::kBool),
-                  w, ": the answer goes into one uint8 or bool CPU element, got ", describe(agreed));
-  checkWritable(w, tensor, "tensor");
-  auto red = toReduction(w, tensor, op, size_, false);
-  // Its caller always waits at once (whether it reduced is the answer): a synchronous op, which
-  // an idle engine runs on the calling thread.
-  auto i = info(OpType::ALLREDUCE, "agreed_all_reduce", c10d::kUnsetTimeout, false);
-  annotate(i, tensor, -1, reduceOpName(op.op_));
-  return record(engines_.cpu(w)->agreedAllreduce(std::move(i), tensor, red, static_cast<uint64_t>(key), agreed));
-}
-
-bool MycclBackend::agreedAvailable() {
-  // The same answer on every rank: one host with shared memory is the group's, and so is where
-  // the CUDA engine takes CPU tensors too (no CPU op has them). Makes the CPU engine if it is not
-  // yet made, which is collective: ask on every rank alike (c10d_ext.horovod asks after its first op).
-  if (onDevice(at::Device(at::kCPU))) return false;
-  return engines_.cpu(where("agreed all_reduce"))->agreedAvailable();
+WorkRef MycclBackend::runExtension(cpu::ExtensionOp op, std::vector<at::Tensor> inputs,
+                                   std::vector<at::Tensor> outputs) {
+  const auto w = where(op.name);
+  auto e = engines_.cpu(w);
+  auto i = info(op.type, op.name, c10d::kUnsetTimeout, op.asyncOp);
+  if (!inputs.empty()) annotate(i, inputs[0], -1, op.redop);
+  return record(e->runExtension(std::move(i), std::move(inputs), std::move(outputs), std::move(op)));
 }
 
 WorkRef MycclBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {

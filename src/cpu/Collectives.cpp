@@ -3,7 +3,6 @@
 #include "myccl/cpu/Engine.hpp"
 
 #include "cpu/Staging.hpp"
-#include "cpu/algorithms/ShmAlgorithms.hpp"
 #include "myccl/cpu/algorithms/Algorithms.hpp"
 
 #include <ATen/ATen.h>
@@ -69,24 +68,6 @@ CpuEngine::WorkPtr CpuEngine::allreduce(OpInfo info, std::vector<at::Tensor> ten
       t.copy_(buf.narrow(0, off, t.numel()).view(t.sizes()));
       off += t.numel();
     }
-  });
-}
-
-CpuEngine::WorkPtr CpuEngine::agreedAllreduce(OpInfo info, at::Tensor t, const Reduction& red, uint64_t key,
-                                               at::Tensor agreed) {
-  auto w = c10::make_intrusive<MycclWork>(std::move(info), std::vector<at::Tensor>{t},
-                                          std::vector<at::Tensor>{t, agreed});
-  const bool available = agreedAvailable();  // a property of the group: the same on every rank
-  return enqueue(w, OpCode::AgreedAllreduce, [t, red, key, agreed, available](CollCtx& c) {
-    uint8_t done = 0;
-    if (available) {
-      auto s = Staged::of(t, true);
-      c.bytes = s.nbytes();
-      // A pre-multiplied reduction would scale the tensor before knowing: it offers nothing.
-      done = shmalg::allreduceAgreed(c, *c.shm, s.ptr(), s.work.numel(), red.spec, red.premul ? 0 : key);
-      if (done) s.commit();
-    }
-    *static_cast<uint8_t*>(agreed.data_ptr()) = done;
   });
 }
 

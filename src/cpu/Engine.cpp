@@ -100,9 +100,10 @@ void CpuEngine::checkUsable(const OpInfo& info) const {
   if (stop_) throwDistError("myccl: " + info.describe() + ": the group has been shut down");
 }
 
-CpuEngine::WorkPtr CpuEngine::enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body) {
+CpuEngine::WorkPtr CpuEngine::enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body,
+                                      bool fingerprinted) {
   checkUsable(w->info());
-  Op op{w, code, std::move(body), recorder_->queued(w->info(), false)};
+  Op op{w, code, std::move(body), recorder_->queued(w->info(), false), fingerprinted};
   bool inlineRun = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -135,6 +136,12 @@ CpuEngine::WorkPtr CpuEngine::enqueue(WorkPtr w, OpCode code, std::function<void
   if (queued) cv_.notify_one();
   idleCv_.notify_all();
   return w;
+}
+
+CpuEngine::WorkPtr CpuEngine::runExtension(OpInfo info, std::vector<at::Tensor> inputs,
+                                           std::vector<at::Tensor> outputs, ExtensionOp op) {
+  auto w = c10::make_intrusive<MycclWork>(std::move(info), std::move(inputs), std::move(outputs));
+  return enqueue(w, OpCode::Extension, std::move(op.body), op.fingerprinted);
 }
 
 void CpuEngine::loop() {
@@ -202,8 +209,7 @@ void CpuEngine::runOp(Op& op) {
   const auto t0 = Clock::now();
   try {
     chooseLevels(ctx, op.code);
-    // An agreed op exists to let ranks that disagree find out in step: no fingerprint check.
-    if (cfg_.debug && size_ > 1 && op.code != OpCode::AgreedAllreduce) checkFingerprint(ctx, op);
+    if (cfg_.debug && size_ > 1 && op.fingerprinted) checkFingerprint(ctx, op);
     if (size_ > 1 && (!shm_ || topo_.crossSize > 1)) checkStrays(info.seq);  // shared memory checks every step
     op.body(ctx);
     stats_->add(info.name, ctx.algo, ctx.bytes,

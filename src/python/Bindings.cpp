@@ -21,6 +21,7 @@
 #include <sys/stat.h>
 
 #include "Bindings.hpp"
+#include "Horovod.hpp"
 
 namespace py = pybind11;
 
@@ -135,9 +136,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("uses_shared_memory", &myccl::MycclBackend::usesSharedMemory)
       .def_property_readonly("rejected_connections", &myccl::MycclBackend::rejectedConnections)
       .def("describe_links", &myccl::MycclBackend::describeLinks)
-      .def("_agreed_all_reduce", &myccl::MycclBackend::agreedAllreduce, py::arg("tensor"), py::arg("agreed"),
+      .def("_agreed_all_reduce", &myccl::horovod::agreedAllreduce, py::arg("tensor"), py::arg("agreed"),
            py::arg("key"), py::arg("op"), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("_agreed_available", &myccl::MycclBackend::agreedAvailable)
+      .def_property_readonly("_agreed_available", &myccl::horovod::agreedAvailable)
       .def("shared_tensor", &myccl::MycclBackend::sharedTensor, py::arg("shape"), py::arg("dtype"), py::arg("owner") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("flight_recorder",

@@ -1,5 +1,5 @@
-// What the two files of c10d_ext.horovod's module part share (defined in HorovodBindings.cpp):
-// the agreed step of a list of tensors, and the key of a list of names.
+// What the files of c10d_ext.horovod's module part share (defined in HorovodBindings.cpp): the
+// agreed all_reduce, the agreed step of a list of tensors, and the key of a list of names.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,6 +10,14 @@
 #include "myccl/backend/ProcessGroupMyccl.hpp"
 
 namespace myccl::horovod {
+
+// The agreed all_reduce of one tensor on `b`'s CPU engine (cpu/extensions/AgreedAllreduce.hpp):
+// reduces `t` only if every rank offers the same nonzero `key` with the same size and op; the
+// answer goes into `agreed` (one uint8). Errors name the op and the rank.
+c10::intrusive_ptr<c10d::Work> agreedAllreduce(MycclBackend& b, at::Tensor& t, at::Tensor& agreed, int64_t key,
+                                               const c10d::ReduceOp& op);
+// Whether `b` has it: the same answer on every rank.
+bool agreedAvailable(MycclBackend& b);
 
 // The dtypes the agreed all_reduce offers.
 bool offerable(c10::ScalarType s);

@@ -1,5 +1,6 @@
-// The module's part for c10d_ext.horovod: its one-step path, the agreed all_reduce
-// (MycclBackend::agreedAllreduce) waited for on the caller's thread, of one tensor or of a list
+// The module's part for c10d_ext.horovod: its one-step path, the agreed all_reduce (an op of the
+// CPU engine's extension point, cpu/extensions/AgreedAllreduce.hpp) run through the backend and
+// waited for on the caller's thread, of one tensor or of a list
 // (fused as Horovod fuses, the agreement riding on the first buffer). What Python would pay per
 // tensor (checks, views, the key's shapes) is paid here once per op.
 #include <pybind11/stl.h>
@@ -16,16 +17,33 @@
 
 #include "Bindings.hpp"
 #include "Horovod.hpp"
+#include "myccl/Arguments.hpp"
 #include "myccl/backend/Engines.hpp"
+#include "myccl/cpu/extensions/AgreedAllreduce.hpp"
 
 namespace py = pybind11;
 
 namespace myccl::horovod {
 
+c10::intrusive_ptr<c10d::Work> agreedAllreduce(MycclBackend& b, at::Tensor& t, at::Tensor& agreed, int64_t key,
+                                               const c10d::ReduceOp& op) {
+  const Where w{"agreed all_reduce", b.getRank()};
+  auto run = cpu::agreedAllreduce(w, t, agreed, key, op, b.getSize());
+  MYCCL_CHECK_ARG(!b.onDevice(t), w, ": runs on the CPU engine only, and this group sends ", describe(t),
+                  " to the CUDA engine");
+  return b.runExtension(std::move(run), {t}, {t, agreed});
+}
+
+bool agreedAvailable(MycclBackend& b) {
+  // The same answer on every rank: where the CUDA engine takes CPU tensors too, no CPU op has them.
+  if (b.onDevice(at::Device(at::kCPU))) return false;
+  return cpu::agreedApplies(b.topology(), b.usesSharedMemory());
+}
+
 namespace {
 
 bool agreedWait(myccl::MycclBackend& b, at::Tensor& t, at::Tensor& agreed, int64_t key, const c10d::ReduceOp& op) {
-  b.agreedAllreduce(t, agreed, key, op)->wait();
+  agreedAllreduce(b, t, agreed, key, op)->wait();
   return *static_cast<const uint8_t*>(agreed.data_ptr()) != 0;
 }
 

@@ -22,6 +22,7 @@
 #include "myccl/Topology.hpp"
 #include "myccl/Work.hpp"
 #include "myccl/backend/Engines.hpp"
+#include "myccl/cpu/Extension.hpp"
 
 namespace myccl {
 
@@ -52,12 +53,11 @@ class MycclBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
-  // For c10d_ext.horovod: an all_reduce that runs only if every rank offers the same nonzero
-  // `key` with the same size and op (one step in shared memory, one host); `agreed` (one uint8)
-  // says whether it did. Ranks that disagree all get 0 and the group stays usable. CPU engine.
-  c10::intrusive_ptr<c10d::Work> agreedAllreduce(at::Tensor& tensor, at::Tensor& agreed, int64_t key,
-                                                 const c10d::ReduceOp& op);
-  bool agreedAvailable();
+  // The CPU engine's extension point (cpu/Extension.hpp), for layers above: runs `op` on this
+  // group's CPU engine as one of its ops (numbered, recorded, with a Work); `inputs` and
+  // `outputs` are its tensors for the Work and the record. The caller has checked its arguments.
+  c10::intrusive_ptr<c10d::Work> runExtension(cpu::ExtensionOp op, std::vector<at::Tensor> inputs,
+                                              std::vector<at::Tensor> outputs);
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,

@@ -25,6 +25,7 @@
 #include "myccl/Topology.hpp"
 #include "myccl/Work.hpp"
 #include "myccl/cpu/Bootstrap.hpp"
+#include "myccl/cpu/Extension.hpp"
 #include "myccl/cpu/Stats.hpp"
 #include "myccl/cpu/algorithms/LinkModel.hpp"
 #include "myccl/cpu/algorithms/Tags.hpp"
@@ -69,13 +70,9 @@ class CpuEngine final : public Engine {
   // Sum of sparse COO tensors: every rank's (indices, values) gathered, then coalesced into `t`
   // (the same op on every rank; an engine op like any other, async when asked).
   WorkPtr allreduceSparse(OpInfo info, at::Tensor t);
-  // Horovod's agreed all_reduce (one host, shared memory): reduces `t` only if every rank offered
-  // the same nonzero `key` with the same size and reduction, and says so in `agreed` (one uint8
-  // written when the Work completes: 1 reduced, 0 untouched). Ranks that disagree all complete
-  // with 0 and the group stays usable. Where agreedAvailable() is false it writes 0 and moves
-  // nothing, alike on every rank.
-  WorkPtr agreedAllreduce(OpInfo info, at::Tensor t, const Reduction& red, uint64_t key, at::Tensor agreed);
-  bool agreedAvailable() const { return shm_ != nullptr && topo_.crossSize == 1; }
+  // The extension point (Extension.hpp): `op` runs as one of this group's ops; `inputs` and
+  // `outputs` are the op's tensors for its Work and record, kept alive until it finished.
+  WorkPtr runExtension(OpInfo info, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs, ExtensionOp op);
 
   WorkPtr send(OpInfo info, at::Tensor t, int peer, int tag) override;
   WorkPtr recv(OpInfo info, at::Tensor t, int peer, int tag) override;
@@ -127,9 +124,10 @@ class CpuEngine final : public Engine {
     WorkPtr work;
     OpCode code;
     std::function<void(CollCtx&)> body;
-    uint64_t record = 0;  // flight recorder id
+    uint64_t record = 0;        // flight recorder id
+    bool fingerprinted = true;  // MYCCL_DEBUG=DETAIL checks it (ExtensionOp::fingerprinted)
   };
-  WorkPtr enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body);
+  WorkPtr enqueue(WorkPtr w, OpCode code, std::function<void(CollCtx&)> body, bool fingerprinted = true);
   template <class Post>
   WorkPtr receive(OpInfo info, const at::Tensor& t, Post&& post);  // recv and recvAny (PointToPoint.cpp)
   void loop();

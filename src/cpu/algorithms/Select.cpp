@@ -327,6 +327,15 @@ void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, vo
   }
 }
 
+bool agreedApplies(const Topology& t, bool sharedMemory) {
+  return sharedMemory && t.crossSize == 1;
+}
+
+bool allreduceAgreed(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec, uint64_t key) {
+  if (!c.topo || !agreedApplies(*c.topo, c.shm != nullptr)) return false;
+  return shmalg::allreduceAgreed(c, *c.shm, buf, count, spec, key);
+}
+
 void barrier(CollCtx& c) {
   switch (family(c, true)) {
     case Family::Single: return;

@@ -14,7 +14,7 @@ const char* opCodeName(OpCode code) {
     case OpCode::ReduceScatter: return "reduce_scatter";
     case OpCode::Alltoall: return "all_to_all";
     case OpCode::Barrier: return "barrier";
-    case OpCode::AgreedAllreduce: return "agreed all_reduce";
+    case OpCode::Extension: return "extension op";
     case OpCode::MonitoredBarrier: return "monitored_barrier";
     case OpCode::Window: return "window";
     case OpCode::Fingerprint: return "fingerprint check of";

@@ -126,6 +126,13 @@ void alltoallv(CollCtx& c, const void* const* sends, const size_t* sendBytes, vo
                const size_t* recvBytes);
 void barrier(CollCtx& c);
 
+// Horovod's agreed all_reduce (cpu/extensions/AgreedAllreduce.hpp): buf is reduced only if
+// every rank offers the same nonzero `key` with the same count and reduction (key 0: no offer);
+// returns whether it was, the same on every rank. It needs the group on one host in shared
+// memory (agreedApplies); elsewhere it moves nothing and returns false.
+bool agreedApplies(const Topology& t, bool sharedMemory);
+bool allreduceAgreed(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec, uint64_t key);
+
 // Whether the group spans several hosts and some host holds several of its ranks: two levels
 // (shared memory inside hosts, TCP between them) or flat TCP is then a choice (LevelChoice).
 bool twoLevelsApply(const CollCtx& c);

@@ -17,7 +17,7 @@ namespace myccl::cpu {
 
 enum class OpCode : uint8_t {
   Broadcast = 1, Allreduce, Reduce, Allgather, Gather, Scatter, ReduceScatter, Alltoall, Barrier,
-  AgreedAllreduce,          // Horovod's agreed all_reduce (CpuEngine::agreedAllreduce)
+  Extension,                // an op of the engine's extension point (cpu/Extension.hpp)
   LinkProbe = 0x79,         // MYCCL_HIERARCHICAL=auto's measurement of the links, before an op (seq: the op's)
   Setup = 0x7a,             // a group's setup over links it already has (a split's shared memory)
   ChannelClose = 0x7b,      // a group on shared links tells its peers it closed (ChannelTransport)
