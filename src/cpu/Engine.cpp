@@ -33,7 +33,8 @@ CpuEngine::CpuEngine(c10::intrusive_ptr<c10d::Store> store, GroupLinks links, st
       shared_(std::move(links.shared)),
       shm_(std::move(links.shm)), topo_(links.topo), rank_(topo_.rank), size_(topo_.size), group_(std::move(group)),
       cfg_(cfg), scratch_(std::make_unique<Scratch>()), recorder_(std::move(recorder)),
-      levels_(cfg.hierarchical, static_cast<double>(cfg.linkMbit) * 1e6 / 8) {
+      levels_(cfg.hierarchical, static_cast<double>(cfg.linkMbit) * 1e6 / 8, stats_,
+              "group '" + group_ + "' rank " + std::to_string(rank_)) {
   if (cfg_.numThreads > 1) par_ = std::make_unique<Parallel>(cfg_.numThreads);  // the op's own thread + helpers
   // A point-to-point wait yields its core for a while before sleeping (MycclWork::wait):
   // MYCCL_SPIN_US, -1 meaning 50 µs. Yielding gives the core to any thread that can run, so
@@ -206,9 +207,9 @@ void CpuEngine::runOp(Op& op) {
   ctx.float32Partials = cfg_.float32Partials;
   ctx.par = par_.get();
   ctx.streamMinBytes = streamMinBytes_;
+  ctx.levels = &levels_;
   const auto t0 = Clock::now();
   try {
-    chooseLevels(ctx, op.code);
     if (cfg_.debug && size_ > 1 && op.fingerprinted) checkFingerprint(ctx, op);
     if (size_ > 1 && (!shm_ || topo_.crossSize > 1)) checkStrays(info.seq);  // shared memory checks every step
     op.body(ctx);
@@ -230,22 +231,8 @@ void CpuEngine::runOp(Op& op) {
   }
 }
 
-// MYCCL_HIERARCHICAL: forced either way or (auto) chosen from the link (Select.cpp); a measurement
-// is logged once and counted in the stats as link_probe/<choice>.
-void CpuEngine::chooseLevels(CollCtx& ctx, OpCode code) {
-  if (!levels_.choose(ctx, code)) return;
-  const LinkModel m = levels_.model();
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    link_ = m;
-  }
-  stats_->add("link_probe", m.hierarchical ? "hierarchical" : "flat", m.bytes, m.seconds);
-  log(LogLevel::Info, "group '" + group_ + "' rank " + std::to_string(rank_) + ": " + levels_.describe());
-}
-
 LinkModel CpuEngine::linkModel() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return link_;
+  return levels_.model();
 }
 
 void CpuEngine::failGroup(const std::string& why, bool timeout) {

@@ -139,7 +139,6 @@ class CpuEngine final : public Engine {
   void failGroup(const std::string& why, bool timeout);
   std::string describeFailure(const Op& op, const std::exception& e, bool& timeout) const;
   void checkUsable(const OpInfo& info) const;
-  void chooseLevels(CollCtx& ctx, OpCode code);
   // Point-to-point requests posted and not yet complete (inFlight()).
   std::shared_ptr<std::atomic<int64_t>> p2pInFlight_ = std::make_shared<std::atomic<int64_t>>(0);
 
@@ -174,8 +173,7 @@ class CpuEngine final : public Engine {
   bool stop_ = false;
   std::string failure_;
   bool timedOut_ = false;
-  LevelChoice levels_;  // used by the op runner alone; linkModel() reads its copy below
-  LinkModel link_;      // levels_.model() as last measured, under mu_
+  LevelChoice levels_;  // asked by the algorithms as they choose (Select.cpp)
   std::thread thread_;
 };
 

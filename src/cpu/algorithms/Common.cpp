@@ -52,6 +52,7 @@ CollCtx CollCtx::sub(const std::vector<int>& m, int myIdx) const {
     for (int r : m) c.crossHost = c.crossHost || !topo->sameHost(r, m[myIdx]);
   }
   c.topo = nullptr;
+  c.levels = nullptr;  // the group's choice is made on the whole group's context
   return c;
 }
 

@@ -1,7 +1,7 @@
 // The one place that chooses how a CPU collective runs. The entry points of Algorithms.hpp pick
 // the family (one host's shared memory, two levels across hosts, or flat over the transport);
 // each family's own entry points, defined here too, pick among its algorithms by size, rank count
-// and type; and chooseLevels decides, once per group, between two levels and flat TCP. The
+// and type; and LevelChoice decides, once per group, between two levels and flat TCP. The
 // families' files hold the algorithms and never choose. Every threshold is here, with why.
 #include <sstream>
 
@@ -9,8 +9,10 @@
 #include "Hierarchical.hpp"
 #include "LinkProbe.hpp"
 #include "ShmAlgorithms.hpp"
+#include "myccl/Log.hpp"
 #include "myccl/Topology.hpp"
 #include "myccl/cpu/Reduce.hpp"
+#include "myccl/cpu/Stats.hpp"
 
 namespace myccl::cpu {
 
@@ -51,11 +53,14 @@ constexpr size_t kPipelineMinBytes = 1024 * 1024;
 enum class Family { Single, Shm, Hier, Flat };
 
 // Shared memory when every rank shares this host, two levels when the group spans hosts, some
-// host holds several ranks and the group chose two levels (chooseLevels), flat over TCP otherwise.
-Family family(const CollCtx& c, bool hierarchicalVersion) {
+// host holds several ranks and the group chose two levels (LevelChoice, asked here), flat over
+// TCP otherwise.
+Family family(CollCtx& c, bool hierarchicalVersion) {
   if (c.size == 1) return Family::Single;
   if (!c.crossHost) return c.shm ? Family::Shm : Family::Flat;
-  return hierarchicalVersion && c.hierarchical && hier::applies(c) ? Family::Hier : Family::Flat;
+  if (!hierarchicalVersion) return Family::Flat;
+  if (c.levels) c.levels->choose(c);
+  return c.hierarchical && hier::applies(c) ? Family::Hier : Family::Flat;
 }
 
 // Whether a large reduction may go around a ring, which folds each slice starting at a different
@@ -352,30 +357,39 @@ void barrier(CollCtx& c) {
 // cost every rank a local reduce-scatter and all-gather, taking in 2S(L-1)/L through shared
 // memory; flat direct exchanges send L times the bytes across. So two levels win when
 //   link < local * L * (H-1) / H.
-bool LevelChoice::choose(CollCtx& c, OpCode code) {
+LevelChoice::LevelChoice(int forced, double declaredLinkBytesPerS, std::shared_ptr<Stats> stats, std::string who)
+    : forced_(forced), declaredLinkBytesPerS_(declaredLinkBytesPerS), stats_(std::move(stats)), who_(std::move(who)) {}
+
+void LevelChoice::choose(CollCtx& c) {
   if (forced_ >= 0) {
     c.hierarchical = forced_ == 1;
-    return false;
+    return;
   }
-  // Measured at the group's first op that has a two-level version. Every rank runs the same
-  // collectives in the same order, so every rank measures at the same op; until then (ops with
-  // no two-level version: gather, scatter, all_to_all, reduce) two levels stay the choice.
-  const bool twoLevelOp = code == OpCode::Allreduce || code == OpCode::Broadcast || code == OpCode::Allgather ||
-                          code == OpCode::ReduceScatter || code == OpCode::Barrier;
-  bool measuredNow = false;
-  if (!model_.measured && twoLevelOp && twoLevelsApply(c)) {
+  // Measured at the group's first op that has a two-level version (family() asks only for those).
+  // Every rank runs the same collectives in the same order, so every rank measures at the same
+  // op; until then (ops with no two-level version: gather, scatter, all_to_all, reduce) two
+  // levels stay the choice.
+  if (!model_.measured && twoLevelsApply(c)) {
     LinkModel m = hier::measureLink(c, declaredLinkBytesPerS_);
     m.hierarchical = m.localBytesPerS <= 0 ||
                      m.linkBytesPerS < m.localBytesPerS * m.ranksPerHost * (m.hosts - 1) / m.hosts;
-    model_ = m;
-    measuredNow = true;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      model_ = m;
+    }
+    if (stats_) stats_->add("link_probe", m.hierarchical ? "hierarchical" : "flat", m.bytes, m.seconds);
+    log(LogLevel::Info, who_ + ": " + describe());
   }
   c.hierarchical = model_.hierarchical;
-  return measuredNow;
+}
+
+LinkModel LevelChoice::model() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return model_;
 }
 
 std::string LevelChoice::describe() const {
-  const LinkModel& m = model_;
+  const LinkModel m = model();
   std::ostringstream os;
   os << "link " << m.linkBytesPerS / 1e6 << " MB/s per host (" << (m.declared ? "MYCCL_LINK_MBIT" : "measured")
      << "), shared memory " << m.localBytesPerS / 1e6 << " MB/s per rank, " << m.hosts << " hosts x "

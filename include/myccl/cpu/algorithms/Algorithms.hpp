@@ -54,6 +54,7 @@ struct CollCtx {
   const Topology* topo = nullptr;        // the whole group's hosts (hierarchical algorithms)
   const std::vector<int>* members = nullptr;  // position -> group rank; null: the whole group
   bool hierarchical = true;                   // two-level algorithms across hosts (MYCCL_HIERARCHICAL, LinkModel)
+  LevelChoice* levels = nullptr;              // the group's choice, which sets `hierarchical` (Select.cpp)
   // Whether this context's ranks are on several hosts: its messages cross network links, where
   // a fixed pairing of senders and receivers is what keeps every link full (Flat.cpp, ring).
   bool crossHost = false;

@@ -1,9 +1,11 @@
 // The choice between two-level and flat algorithms across hosts (MYCCL_HIERARCHICAL) and what
 // it rests on when it is `auto`: figures measured once per group, read by the engine, stats and
-// c10d_ext.link_model(). The choice itself is made in Select.cpp.
+// c10d_ext.link_model(). The choice itself is made in Select.cpp, as it picks each op's family.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 
 namespace myccl::cpu {
@@ -23,24 +25,30 @@ struct LinkModel {
 };
 
 struct CollCtx;
-enum class OpCode : uint8_t;
+class Stats;
 
-// One per group, used by its op runner only (ops run one at a time): sets CollCtx::hierarchical
-// for each op, measuring the links first at the group's first op with a two-level version when
-// the choice is `auto` (collective: every rank measures at the same op).
+// One per group: sets CollCtx::hierarchical for each op that has a two-level version, measuring
+// the links first at the group's first such op when the choice is `auto` (collective: every rank
+// measures at the same op). Select.cpp asks it as it picks an op's family; the op runner runs one
+// op at a time, so only model() is read from other threads.
 class LevelChoice {
  public:
-  // forced: MYCCL_HIERARCHICAL (1, 0, -1 auto); declaredLinkBytesPerS > 0 stands for the link measurement.
-  LevelChoice(int forced, double declaredLinkBytesPerS) : forced_(forced), declaredLinkBytesPerS_(declaredLinkBytesPerS) {}
-  // True when this call measured (the caller logs describe() and counts what it cost).
-  bool choose(CollCtx& c, OpCode code);
-  const LinkModel& model() const { return model_; }
+  // forced: MYCCL_HIERARCHICAL (1, 0, -1 auto); declaredLinkBytesPerS > 0 stands for the link
+  // measurement. A measurement is logged once, naming `who` ("group 'g' rank 3"), and counted in
+  // `stats` as link_probe/<choice>.
+  LevelChoice(int forced, double declaredLinkBytesPerS, std::shared_ptr<Stats> stats, std::string who);
+  void choose(CollCtx& c);
+  // The figures and choice as last measured (measured = false before).
+  LinkModel model() const;
   // "link <rate> MB/s per host (measured), shared memory ... : two levels (measuring took <t> ms)"
   std::string describe() const;
 
  private:
-  int forced_;
-  double declaredLinkBytesPerS_;
+  const int forced_;
+  const double declaredLinkBytesPerS_;
+  const std::shared_ptr<Stats> stats_;
+  const std::string who_;
+  mutable std::mutex mu_;  // model_'s writes (by the op runner) and model()
   LinkModel model_;
 };
 
