@@ -21,13 +21,13 @@ test: setup
 # What CI also runs against the oldest supported torch: the collective matrix, DDP (ours and
 # torch's) and the CUDA tests, which skip without a GPU but still import and collect.
 test-compat: setup
-	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py $(MATRIX)
-	$(VENV)/bin/python -m pytest -n 2 tests/test_ddp.py tests/test_ddp_cuda.py tests/test_cuda.py
+	$(VENV)/bin/python -m pytest -n 2 tests/backend/test_collectives.py $(MATRIX)
+	$(VENV)/bin/python -m pytest -n 2 tests/ddp/test_ddp.py tests/ddp/test_ddp_cuda.py tests/cuda/test_cuda.py
 
 # What CI runs against each other supported torch: the build and the collective matrix
 # (MATRIX="-k '2-shm or 2-tcp'" narrows it to 2 ranks; test-compat's collectives too).
 test-matrix: setup
-	$(VENV)/bin/python -m pytest -n 2 tests/test_collectives.py $(MATRIX)
+	$(VENV)/bin/python -m pytest -n 2 tests/backend/test_collectives.py $(MATRIX)
 
 bench: setup
 	$(VENV)/bin/python benchmarks/collbench.py --world-size 2

@@ -6,7 +6,7 @@ split is picked up by all of them alike. Paths are relative to the repository ro
 The unit tests compile a part of the extension with a test of their own. A part is named by the
 files' names without their directories and resolved against the extension's list, so a file
 that moves between directories needs no edit here; a name that no longer resolves fails loudly
-(tests/test_build.py checks every part).
+(tests/project/test_build.py checks every part).
 """
 
 from __future__ import annotations

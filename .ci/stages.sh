@@ -8,7 +8,7 @@
 #                              COMMAND ends CI with its status, after the table
 #   ci_summary                 the table and the total, with a warning if it is over the budget
 #
-# CI_CLOCK (default `date +%s`) gives the time in seconds: tests/test_ci_stages.py drives the
+# CI_CLOCK (default `date +%s`) gives the time in seconds: tests/project/test_ci_stages.py drives the
 # table with a clock of its own.
 
 CI_BUDGET_S=${CI_BUDGET_S:-2700}

@@ -3,7 +3,7 @@
 What runs: ranks are SIMULATED in one process (no myccl, no spawning). Every simulated rank holds
 a replica of the model and draws its own mini-batch; the reductions are computed with
 c10d_ext.horovod.adasum.adasum_reference, the local form of the VHDD tree that
-tests/test_horovod_adasum.py checks adasum_allreduce_ against on real myccl groups. CPU only,
+tests/horovod/test_horovod_adasum.py checks adasum_allreduce_ against on real myccl groups. CPU only,
 deterministic (fixed seeds; every method sees the same data in the same order from the same
 initial weights).
 

@@ -3,7 +3,7 @@
 C++ never reads the environment: the backend creator turns these values (overridden by any
 field set on ``c10d_ext.Options``) into one ``_C.Config`` per process group. A variable's
 ``Options`` field is its name without ``MYCCL_``, in lower case. Python code reads a variable
-through ``value()`` or ``parse_env()``, never through ``os.environ`` (tests/test_config.py checks).
+through ``value()`` or ``parse_env()``, never through ``os.environ`` (tests/project/test_config.py checks).
 ``python -m c10d_ext.info`` prints this table with the values in effect, and docs/CONFIG.md is
 generated from it (``python scripts/gen_config_doc.py``; a test checks that it is current), with
 the variables c10d_ext's launchers set for the processes they start and those the build reads
@@ -370,7 +370,7 @@ def markdown() -> str:
         "# Configuration",
         "",
         "Generated from `c10d_ext/config.py` by `python scripts/gen_config_doc.py`; do not edit by hand",
-        "(`tests/test_config.py` checks that it is current).",
+        "(`tests/project/test_config.py` checks that it is current).",
         "",
         "Every variable is read once per process group, when the group is made. Each is also a field of",
         "`c10d_ext.Options`, named after it without `MYCCL_` in lower case, which overrides it for one",

@@ -1,4 +1,4 @@
-"""Writes docs/CONFIG.md from c10d_ext/config.py (tests/test_config.py checks that it is current)."""
+"""Writes docs/CONFIG.md from c10d_ext/config.py (tests/project/test_config.py checks that it is current)."""
 
 import os
 import sys

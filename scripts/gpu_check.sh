@@ -236,7 +236,7 @@ step_test() {
     "$VPY" -m pytest -q --collect-only -m cuda tests | tail -30
     return
   fi
-  # every test marked cuda: tests/test_cuda.py's, and the few in other files
+  # every test marked cuda: tests/cuda/test_cuda.py's, and the few in other files
   local rc=0
   rm -f "$GC_STATE/raw/test.xml"
   "$VPY" -m pytest -m cuda tests -n "$GC_TEST_JOBS" --junitxml="$GC_STATE/raw/test.xml" || rc=$?
@@ -251,8 +251,8 @@ step_test_multi() {
   local n
   n=$(ngpus)
   if [ "$GC_DRY" = 1 ]; then
-    echo "dry run: $n GPU(s); with N >= 2 would run: MYCCL_TEST_CUDA_WORLD=N pytest -m cuda tests/test_cuda.py -k world_n"
-    MYCCL_TEST_CUDA_WORLD=2 "$VPY" -m pytest -q --collect-only -m cuda tests/test_cuda.py -k world_n | tail -10
+    echo "dry run: $n GPU(s); with N >= 2 would run: MYCCL_TEST_CUDA_WORLD=N pytest -m cuda tests/cuda/test_cuda.py -k world_n"
+    MYCCL_TEST_CUDA_WORLD=2 "$VPY" -m pytest -q --collect-only -m cuda tests/cuda/test_cuda.py -k world_n | tail -10
     return
   fi
   if [ "$n" -lt 2 ]; then
@@ -261,7 +261,7 @@ step_test_multi() {
   fi
   local rc=0
   rm -f "$GC_STATE/raw/test-multi.xml"
-  MYCCL_TEST_CUDA_WORLD=$n "$VPY" -m pytest -m cuda tests/test_cuda.py -k world_n -n "$GC_TEST_JOBS" \
+  MYCCL_TEST_CUDA_WORLD=$n "$VPY" -m pytest -m cuda tests/cuda/test_cuda.py -k world_n -n "$GC_TEST_JOBS" \
     --junitxml="$GC_STATE/raw/test-multi.xml" || rc=$?
   "$VPY" "$ROOT/scripts/gpu_report.py" --junit "$GC_STATE/raw/test-multi.xml" || rc=$((rc ? rc : 1))
   return "$rc"
@@ -380,7 +380,7 @@ gpu-check: c10d_ext (myccl) on this machine's CUDA GPU(s), each figure next to t
   env         ~0.5 min  python with torch, venv $(basename "$GC_VENV") (--system-site-packages), wheels from $(basename "$WHEELHOUSE")/
   build       ~1-4 min  MYCCL_WITH_NCCL=1 pip install --no-build-isolation -e . (MAX_JOBS=$MAX_JOBS)
   hostcost    ~2 min    host time per op vs nccl (every op, 8 B and 1 MiB, sync and async); DDP, many small params
-  test        ~5 min    pytest -m cuda tests: tests/test_cuda.py at world sizes 1 and 2 on one GPU vs nccl; whole memory, the GNN example, Horovod, DDP
+  test        ~5 min    pytest -m cuda tests: tests/cuda/test_cuda.py at world sizes 1 and 2 on one GPU vs nccl; whole memory, the GNN example, Horovod, DDP
   test-multi  ~3 min    world size N on N GPUs (only with several GPUs)
   bench       ~4 min    collbench --device cuda vs nccl: 8 B overhead, busbw 1 MiB-1 GiB, 6 ops
   ddp         ~1 min    DDP over myccl and c10d_ext's DDP vs DDP over nccl: losses, parameters, step time

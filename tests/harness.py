@@ -19,8 +19,16 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+TESTS = os.path.dirname(os.path.abspath(__file__))  # the harness and every shared helper module
+ROOT = os.path.dirname(TESTS)
+
+
+def layer_dirs() -> list[str]:
+    """The folders of tests/ that hold test files (one per layer: backend, cuda, ddp, ...). A test
+    function runs on a worker by its module's name, so every layer is on the worker's path (test
+    file names are unique across the layers)."""
+    return sorted(e.path for e in os.scandir(TESTS)
+                  if e.is_dir() and any(f.startswith("test_") and f.endswith(".py") for f in os.listdir(e.path)))
 
 
 class RankError(AssertionError):
@@ -235,8 +243,7 @@ def _worker(rank: int, size: int, store_port: int, conn, env: dict) -> None:
     # "{rank}" in a world env value becomes this process's rank (e.g. NCCL_HOSTID=host{rank}),
     # set before torch or NCCL read anything.
     os.environ.update({k: str(v).replace("{rank}", str(rank)) for k, v in env.items()})
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, HERE)
+    sys.path[:0] = [TESTS, *layer_dirs(), ROOT]
     import torch  # noqa: F401 (import once, up front)
     import torch.distributed as dist
 

@@ -1,4 +1,4 @@
-"""Runs under torchrun on the namespaced test hosts (tests/test_multihost.py): checks every op
+"""Runs under torchrun on the namespaced test hosts (tests/backend/test_multihost.py): checks every op
 against local expectations, then trains a small DDP model and saves its parameters.
 
     torchrun ... tests/mh_worker.py <out_dir> <mode>     mode: all | ops | ddp | link | wm

@@ -1,4 +1,4 @@
-"""One rank of a job that loses ranks and goes on (tests/test_recovery.py): data-parallel training
+"""One rank of a job that loses ranks and goes on (tests/backend/test_recovery.py): data-parallel training
 with c10d_ext.DistributedDataParallel; a rank named in the plan SIGKILLs itself in the middle of
 a step's backward; the others catch the failed step, agree on the survivors, shrink the default
 group (torch's shrink_group) and redo the step on the smaller group. Writes <out>/rank<R>.json.
@@ -228,7 +228,7 @@ def run_reconfigure(pid_id: int, port: int, out_dir: str, plan: dict, steps: int
 
 
 if __name__ == "__main__":
-    # On the namespaced test hosts (tests/test_multihost.py), one process per command:
+    # On the namespaced test hosts (tests/backend/test_multihost.py), one process per command:
     #   recovery_worker.py shrink <rank> <size> <master> <port> <out> <kills json> <steps>
     #   recovery_worker.py reconfigure <id> <master> <port> <out> <plan json> <steps>
     # The process with rank / id 0 hosts the store.

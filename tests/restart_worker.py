@@ -1,4 +1,4 @@
-"""Runs under `torchrun --max-restarts 1` (tests/test_recovery.py): on the first attempt rank 1 dies
+"""Runs under `torchrun --max-restarts 1` (tests/backend/test_recovery.py): on the first attempt rank 1 dies
 before init_process_group while rank 0 is already inside it; the second attempt must form the
 group on the store the agent kept and train. Writes <out>/rank<R>.json on the attempt that trains.
 

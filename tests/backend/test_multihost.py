@@ -18,10 +18,9 @@ import pytest
 import torch
 
 import netns
+from harness import ROOT, TESTS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-WORKER = os.path.join(HERE, "mh_worker.py")
+WORKER = os.path.join(TESTS, "mh_worker.py")
 
 _ok, _why = netns.available()
 pytestmark = pytest.mark.skipif(not _ok, reason=_why or "network namespaces unavailable")
@@ -161,7 +160,7 @@ def test_delay_and_loss_on_a_link():
     assert dropped > 0, (applied, dropped)
 
 
-RECOVERY = os.path.join(HERE, "recovery_worker.py")
+RECOVERY = os.path.join(TESTS, "recovery_worker.py")
 
 
 def _run_recovery(hosts, cmds, out, deadline=200, extra=None):

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from harness import ROOT
 
 
 def body_trace(ctx, prefix):

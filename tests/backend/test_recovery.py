@@ -11,10 +11,7 @@ import sys
 
 import torch
 
-from harness import free_port, join_or_kill
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from harness import ROOT, TESTS, free_port, join_or_kill
 
 
 def test_torchrun_restart_after_a_rank_died_before_init(tmp_path):
@@ -25,7 +22,7 @@ def test_torchrun_restart_after_a_rank_died_before_init(tmp_path):
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "0.1",
-           os.path.join(HERE, "restart_worker.py"), str(out)]
+           os.path.join(TESTS, "restart_worker.py"), str(out)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)

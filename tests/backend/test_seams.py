@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 
 import cuda_double
-from harness import Report, assert_reports
-from test_cuda import DOUBLE
+from cuda_helpers import DOUBLE
+from harness import ROOT, Report, assert_reports
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Routing, the backend, the CPU engine and the Reducer, with the shared files above them.
 CORE_DIRS = ("src/backend", "src/cpu", "src/reducer", "include/myccl/backend", "include/myccl/cpu",

@@ -5,7 +5,7 @@
 // that every pipeline has several segments, on both a buffering and a rendezvous transport. Every
 // rank's result is compared with an expectation computed here with plain loops: sums that fold in
 // rank order must match bit for bit; the ring and halving-doubling run on integers (any order).
-// tests/test_algorithms.py builds and runs it; it prints each failed check and exits 1 if any.
+// tests/cpp/test_algorithms.py builds and runs it; it prints each failed check and exits 1 if any.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -99,7 +99,7 @@ std::vector<std::string> runRanks(const Run& run, const std::function<void(CollC
 }
 
 // Every case names itself through where(): what ran, for the report at the end
-// (tests/test_algorithms.py checks that each algorithm ran at every rank count and on both transports).
+// (tests/cpp/test_algorithms.py checks that each algorithm ran at every rank count and on both transports).
 std::map<std::string, std::set<std::string>> ran;
 
 std::string where(const char* algo, const Run& run, const std::string& detail = "") {

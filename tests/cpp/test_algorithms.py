@@ -14,7 +14,8 @@ import re
 import build_sources
 from cpp_build import build, run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT
+
 PROGRAM = "tests/cpp/test_algorithms.cpp"
 SOURCES = [PROGRAM] + build_sources.part("flat_algorithms")
 

@@ -1,7 +1,7 @@
 // Unit tests of receive matching (include/myccl/cpu/transport/Matcher.hpp), the code
 // TcpTransport runs under its mutex, driven here without sockets, threads or torch.
 // Build and run: g++ -std=c++20 -Iinclude tests/cpp/test_matching.cpp && ./a.out
-// (tests/test_matching.py does that). Prints each failed check; exits 1 if any failed.
+// (tests/cpp/test_matching.py does that). Prints each failed check; exits 1 if any failed.
 #include "myccl/cpu/transport/Matcher.hpp"
 
 #include <cstdio>

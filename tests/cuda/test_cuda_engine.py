@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cuda_helpers import DOUBLE, DOUBLE_DEVICES, FAULTS, MODES, WORLD, Report, _device, _init, counters, sync
-from harness import assert_reports
+from harness import ROOT, TESTS, assert_reports
 
 TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 BIG = 1 << 20  # bytes: far above the double's (and NCCL's) buffering, so sends wait for receives
@@ -432,8 +432,7 @@ def test_timeout_takes_the_process_down_by_default(handling, tmp_path):
     env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
     if handling:
         env["MYCCL_ASYNC_ERROR_HANDLING"] = handling
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, "-c", TEARDOWN_SCRIPT, str(r), str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:

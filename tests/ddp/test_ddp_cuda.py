@@ -1,6 +1,6 @@
 """c10d_ext.DistributedDataParallel on CUDA parameters: the Reducer's device path.
 
-Each body runs in the two modes of tests/test_cuda.py: "double" (always, in CI: the strict host
+Each body runs in the two modes of tests/cuda/test_cuda.py: "double" (always, in CI: the strict host
 double, where CPU tensors stand for CUDA tensors and myccl sends them to its CUDA engine) and
 "gpu" (marked `cuda`: two ranks on one GPU). Our DDP trains next to torch's DDP on the same
 myccl group and torch's DDP on the reference group (gloo under the double, nccl on a GPU), from

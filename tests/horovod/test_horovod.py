@@ -1,6 +1,6 @@
 """c10d_ext.horovod: every op of horovod.torch at 1-4 ranks, each rank's result against a local
 expectation (Horovod's semantics: /docs/HOROVOD.md); fusion, autograd, the CUDA path on the
-strict double. Process sets, join, errors and launch: tests/test_horovod_sets.py."""
+strict double. Process sets, join, errors and launch: tests/horovod/test_horovod_sets.py."""
 
 from __future__ import annotations
 

@@ -16,10 +16,9 @@ import torch.distributed as dist
 
 from c10d_ext.horovod import run as hvdrun
 from c10d_ext.horovod.elastic import driver
+from harness import ROOT, TESTS
 from hvd_helpers import same_as_one_process
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
 needs_reconfigure = pytest.mark.skipif(not hasattr(dist, "_reconfigure"),
                                        reason="new workers join through torch's reconfigure API (torch >= 2.14)")
 

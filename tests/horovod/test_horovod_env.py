@@ -22,10 +22,9 @@ import time
 import pytest
 
 from c10d_ext.horovod import launch_env as L
+from harness import ROOT, TESTS
 from hvd_helpers import same_as_one_process
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 _LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "MPI_LOCAL", "HOROVOD_", "TORCHELASTIC_")
 _LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -400,7 +399,7 @@ def test_a_host_that_leaves_the_discovery_stops_its_worker_at_the_next_commit(tm
     out = tmp_path / "out"
     out.mkdir()
     script = tmp_path / "train.py"
-    script.write_text(REMOVAL.format(tests=HERE))
+    script.write_text(REMOVAL.format(tests=TESTS))
     argv = [sys.executable, "-m", "c10d_ext.horovod.run", "-np", "3", "--min-np", "2",
             "--host-discovery-script", f"cat {hosts}", sys.executable, str(script), str(out)]
     proc = subprocess.Popen(argv, env=clean_env({}), cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -28,9 +28,8 @@ import pytest
 import torch
 
 import netns
+from harness import ROOT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 EXAMPLES = os.path.join(ROOT, "examples", "horovod")
 MNIST = os.path.join(EXAMPLES, "pytorch_mnist.py")
 BENCH = os.path.join(EXAMPLES, "pytorch_synthetic_benchmark.py")

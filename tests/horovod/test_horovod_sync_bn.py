@@ -1,6 +1,6 @@
 """c10d_ext.horovod's SyncBatchNorm: its refusal of CPU input (as Horovod's), its synchronization
 with CPU stand-ins for torch's CUDA-only kernels against torch's BatchNorm on the whole batch,
-and the real thing on a GPU. Shares the rank-body helpers of tests/test_horovod_training.py.
+and the real thing on a GPU. Shares the rank-body helpers of tests/horovod/test_horovod_training.py.
 """
 
 from __future__ import annotations

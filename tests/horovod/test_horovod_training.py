@@ -1,7 +1,7 @@
 """c10d_ext.horovod, the training side: compression, the helper functions (broadcast_parameters,
 broadcast_optimizer_state, broadcast_object, allgather_object), DistributedOptimizer (plain,
 grouped, accumulating, predivided, compressed, sparse, with unused parameters, the Adasum
-variant). SyncBatchNorm: tests/test_horovod_sync_bn.py; the elastic API: tests/test_horovod_elastic.py.
+variant). SyncBatchNorm: tests/horovod/test_horovod_sync_bn.py; the elastic API: tests/horovod/test_horovod_elastic.py.
 
 Every multi-rank check compares a rank's result with what a single process computes locally
 (the same model on the whole batch); messages and exception types are Horovod 0.28.1's.

@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 

@@ -10,7 +10,7 @@ import torch
 
 import c10d_ext
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT
 
 
 def _minor(v):

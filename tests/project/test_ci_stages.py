@@ -7,7 +7,8 @@ import os
 import re
 import subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT
+
 STAGES = os.path.join(ROOT, ".ci", "stages.sh")
 
 

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT
 
 
 def test_options_fields_are_the_variables_names():

@@ -37,7 +37,8 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT
+
 DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
                               if f.endswith(".md"))
 EXTENSIONS = (".py", ".cpp", ".hpp", ".md", ".sh", ".c", ".txt", ".toml", ".ini", ".png")

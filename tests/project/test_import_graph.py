@@ -4,13 +4,15 @@ a cycle). An import of a submodule runs its package's __init__ first; that impli
 out (every package imports its own modules), the explicit imports of the package are not.
 
 The tests and benchmarks share code only through helper modules (harness.py and the per-layer
-helpers): no test module imports another test module."""
+helpers): no test module imports another test module, and no two test files under tests/ share a
+name (the harness's workers find a test module by its name)."""
 
 import ast
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT
+
 PACKAGE = os.path.join(ROOT, "c10d_ext")
 
 def _modules() -> dict[str, str]:
@@ -140,3 +142,20 @@ def test_the_scan_finds_test_imports():
             "SCRIPT = \"\"\"\nfrom tests.test_wholememory import _reference\n\"\"\"\n"
             "from cuda_helpers import MODES  # test_cuda's worlds\n")
     assert _test_imports(text) == ["test_cuda", "test_horovod", "test_wholememory"]
+
+
+def test_test_modules_are_found_by_name():
+    """A worker of the harness imports a test function's module by name, with tests/ and every
+    layer's folder on its path (harness.layer_dirs()): two test files of one name in two folders
+    would make one of them the other."""
+    import harness
+
+    where: dict[str, list[str]] = {}
+    for d, _, files in os.walk(harness.TESTS):
+        for f in files:
+            if f.startswith("test_") and f.endswith(".py"):
+                where.setdefault(f, []).append(os.path.relpath(d, ROOT))
+    assert len(where) > 10, "the scan found no test files"
+    assert not {f: ds for f, ds in where.items() if len(ds) > 1}, where
+    layers = {os.path.relpath(d, ROOT) for d in harness.layer_dirs()}
+    assert layers == {d for ds in where.values() for d in ds} - {"tests"}, layers

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cuda_helpers import WORLD
-from harness import Report, assert_reports, free_port, one_thread
+from harness import ROOT, TESTS, Report, assert_reports, free_port, one_thread
 from wm_helpers import TYPES, _reference, expect, on_one_rank, parts, start, uneven
 
 ROWS = 13
@@ -543,8 +543,9 @@ def test_across_hosts():
     ok, why = netns.available()
     if not ok:
         pytest.skip(why)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    # this file runs as the script: the shared helpers at the top of tests/ must be importable
+    path = os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     env.pop("MYCCL_SOCKET_IFNAME", None)
     with tempfile.TemporaryDirectory() as out, netns.Hosts(2) as hosts:
         procs, run_id = [], uuid.uuid4().hex[:8]
@@ -577,5 +578,5 @@ def test_across_hosts():
     assert all(res["checks"] > 0 for res in results)
 
 
-if __name__ == "__main__":  # (torchrun runs this file on the namespace hosts; tests/ is on the path)
+if __name__ == "__main__":  # (torchrun runs this file on the namespace hosts; tests/ is on PYTHONPATH)
     multihost_worker(sys.argv[1])

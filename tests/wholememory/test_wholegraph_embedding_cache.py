@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cuda_helpers import WORLD, double_world
-from harness import Report, assert_reports, one_thread
+from harness import ROOT, Report, assert_reports, one_thread
 from wg_embedding_ref import DIM, HOT, LR, ROWS, STATES, Reference, batch, close, init_table, weights
 from wm_helpers import TYPES, _share, _unshare, body_optimizers, expect, fill, start
 
@@ -291,7 +291,6 @@ def test_optimizers_on_gpu(run, memory_type, location):
 
 # -- the example ----------------------------------------------------------------------------------
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "gnn_embedding_train.py")
 EXAMPLE_STEPS = 12
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from cuda_helpers import WORLD
+from harness import ROOT
 from wm_helpers import _reference
 KINDS = ["HOST", "CHUNKED", "DISTRIBUTED", "DISTRIBUTED-exchange"]
 # DISTRIBUTED on one host reads rows where they lie (MYCCL_WM_DIRECT, the default); "-exchange"
@@ -308,10 +309,9 @@ def test_embedding_example_matches_one_process(nproc, kind):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(root, "examples", "embedding_train.py"), "--kind", kind, "--steps", "25"]
+           os.path.join(ROOT, "examples", "embedding_train.py"), "--kind", kind, "--steps", "25"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "-> EQUAL" in p.stdout, p.stdout

@@ -247,7 +247,7 @@ def test_device_without_cuda(run):
 def body_kill(ctx):
     """Rank 1 dies by SIGKILL holding DEVICE, CHUNKED and HOST-view tensors; the others drop their
     own and nothing is left: no mapping, no handle, no descriptor, nothing in /dev/shm. (A dead
-    peer during a later collective is the CUDA engine's watchdog's: tests/test_cuda.py.)"""
+    peer during a later collective is the CUDA engine's watchdog's: tests/cuda/test_cuda.py.)"""
     import gc
     import glob
     import signal

@@ -1,5 +1,5 @@
 """c10d_ext.wholememory's guarantees that the kind tests do not reach (its modules' one-way imports:
-tests/test_import_graph.py, for the whole package): the descriptor exchange at any number of local ranks, zero-filled memory, the
+tests/project/test_import_graph.py, for the whole package): the descriptor exchange at any number of local ranks, zero-filled memory, the
 consistency of DISTRIBUTED gathers read in place, releases and registrations of CUDA memory, and
 agreement at creation. CUDA paths run on the strict CUDA double (tests/cuda_double.py)."""
 
