@@ -151,6 +151,8 @@ class SetController:
                     if r.kind != BARRIER:
                         self.in_flight[r.name] = r
                     self.queue.append(r)
+            if not wake:
+                self.loop.urgent = True  # a caller waits on this op: lockstep iterates at once
             if wake or not self.loop.free:
                 self.cond.notify_all()
 

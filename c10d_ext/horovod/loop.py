@@ -52,6 +52,7 @@ class EngineLoop(threading.Thread):
         self.iterations = 0  # lockstep iterations run
         self.last_iteration = -math.inf
         self.active_until = 0.0  # lockstep: iterate at cycle time until then (note_active)
+        self.urgent = False  # lockstep: a synchronous op's caller waits, so the next iteration runs at once
         self.cycle_time = C._cycle_seconds()
 
     @property
@@ -122,7 +123,7 @@ class EngineLoop(threading.Thread):
             self.active_until = max(self.active_until, now + agreed.AWAKE_SECONDS)
         awake = now < self.active_until
         at = self.last_iteration + (self.cycle_time if awake else C.HEARTBEAT_SECONDS)
-        if now >= at:
+        if now >= at or self.urgent:
             return self._iterate, 0.0, False
         return None, at, not awake
 
@@ -131,6 +132,7 @@ class EngineLoop(threading.Thread):
         the iteration (in the global set's cycle) counts from the next one, on every rank."""
         self.iterations += 1
         self.last_iteration = time.monotonic()
+        self.urgent = False
         for c in list(self.sets):
             c.cycle_once()
 
