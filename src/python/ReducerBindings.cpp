@@ -79,6 +79,7 @@ py::dict iterationToDict(const rd::IterationStats& s) {
     d["stream_waits"] = b.streamWaits;
     d["ready_us"] = b.readyUs;
     d["launch_us"] = b.launchUs;
+    d["grads_pending"] = b.gradsPending;
     d["done_us"] = b.doneUs ? b.doneUs->load() : 0;
     buckets.append(d);
   }

@@ -66,6 +66,7 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs, bool si
     b.future.reset();
     b.sparseGrad.reset();
     b.times.readyUs = b.times.launchUs = 0;
+    b.times.gradsPending = -1;
     b.times.gradCopies = 0;
     b.times.streamWaits = 0;
     b.times.doneUs = std::make_shared<std::atomic<int64_t>>(0);
@@ -330,6 +331,9 @@ void Reducer::launchReadyBuckets() {
     Bucket& b = buckets_[nextBucket_];
     b.times.launchUs = Recorder::nowUs();
     if (b.onDevice) b.times.streamWaits = orderLaunch(b);
+    int64_t later = 0;
+    for (size_t k = nextBucket_ + 1; k < buckets_.size(); ++k) later += static_cast<int64_t>(buckets_[k].pending);
+    b.times.gradsPending = later;
     b.times.fusedAverage = fusedAverage(b);
     b.future = runReduction(nextBucket_, b.sparse ? b.sparseGrad : b.buffer);
     auto done = b.times.doneUs;

@@ -19,6 +19,22 @@ def _threads():
     return {"loop": names.count("hvd-loop"), "per_set": [n for n in names if n.startswith("hvd-set")]}
 
 
+def _rounds(ctx, hvd, s, rounds: int) -> dict:
+    """Each round: rank 0 submits its G op first, rank 1 its S op first, rank 2 (outside S) only
+    G's; then every result (the distinct values of each)."""
+    out = {"g": [], "s": []}
+    for i in range(rounds):
+        g = torch.full((32,), float(ctx.rank + 1 + i))
+        x = torch.full((8,), float(10 * (ctx.rank + 1) + i))
+        ops = {"g": lambda: hvd.allreduce_async(g, op=hvd.Sum, name=f"g{i}"),
+               "s": lambda: hvd.allreduce_async(x, op=hvd.Sum, name=f"s{i}", process_set=s)}
+        order = {0: ["g", "s"], 1: ["s", "g"]}.get(ctx.rank, ["g"])
+        hs = [(k, ops[k]()) for k in order]
+        for k, h in hs:
+            out[k].append(sorted(set(hvd.synchronize(h).tolist())))
+    return out
+
+
 def _opposite_orders(ctx, rounds: int = 12):
     """G = every rank, S = ranks 0 and 1. Rank 0 submits each round's G op first, rank 1 its S op
     first, rank 2 (outside S) only G's."""
@@ -29,21 +45,8 @@ def _opposite_orders(ctx, rounds: int = 12):
     s = hvd_mod.ProcessSet([0, 1])
     hvd = start(ctx, process_sets=[s])
     try:
-        out = {"lockstep": loop._LOOP[0].lockstep, "threads": _threads(), "g": [], "s": []}
-        for i in range(rounds):
-            g = torch.full((32,), float(ctx.rank + 1 + i))
-            x = torch.full((8,), float(10 * (ctx.rank + 1) + i))
-            hs = []
-            if ctx.rank == 0:
-                hs = [("g", hvd.allreduce_async(g, op=hvd.Sum, name=f"g{i}")),
-                      ("s", hvd.allreduce_async(x, op=hvd.Sum, name=f"s{i}", process_set=s))]
-            elif ctx.rank == 1:
-                hs = [("s", hvd.allreduce_async(x, op=hvd.Sum, name=f"s{i}", process_set=s)),
-                      ("g", hvd.allreduce_async(g, op=hvd.Sum, name=f"g{i}"))]
-            else:
-                hs = [("g", hvd.allreduce_async(g, op=hvd.Sum, name=f"g{i}"))]
-            for k, h in hs:
-                out[k].append(sorted(set(hvd.synchronize(h).tolist())))
+        out = {"lockstep": loop._LOOP[0].lockstep, "threads": _threads()}
+        out.update(_rounds(ctx, hvd, s, rounds))
         return out
     finally:
         stop(hvd)
@@ -80,20 +83,7 @@ def _device_order(ctx):
         hvd.allreduce(torch.ones(2), name="warm-up")  # (every set has made its communicator)
         hvd.allreduce(torch.ones(2), name="warm-up-s", process_set=s) if ctx.rank < 2 else None
         td.set_device_order(True)
-        out = {"g": [], "s": []}
-        for i in range(12):
-            g = torch.full((32,), float(ctx.rank + 1 + i))
-            x = torch.full((8,), float(10 * (ctx.rank + 1) + i))
-            if ctx.rank == 0:
-                hs = [("g", hvd.allreduce_async(g, op=hvd.Sum, name=f"g{i}")),
-                      ("s", hvd.allreduce_async(x, op=hvd.Sum, name=f"s{i}", process_set=s))]
-            elif ctx.rank == 1:
-                hs = [("s", hvd.allreduce_async(x, op=hvd.Sum, name=f"s{i}", process_set=s)),
-                      ("g", hvd.allreduce_async(g, op=hvd.Sum, name=f"g{i}"))]
-            else:
-                hs = [("g", hvd.allreduce_async(g, op=hvd.Sum, name=f"g{i}"))]
-            for k, h in hs:
-                out[k].append(sorted(set(hvd.synchronize(h).tolist())))
+        out = _rounds(ctx, hvd, s, 12)
         cuda_double.synchronize()
         out["lockstep"] = loop._LOOP[0].lockstep
     finally:

@@ -55,6 +55,9 @@ struct BucketTimes {
   size_t gradCopies = 0;       // gradients copied into the bucket this iteration (the rest already lived there)
   int64_t readyUs = 0;         // its last gradient arrived
   int64_t launchUs = 0;        // its allreduce / comm hook was started
+  // Gradients of later buckets still to arrive when it was launched (-1: launched at the end of
+  // backward, for unused parameters): above 0, its reduction overlapped backward.
+  int64_t gradsPending = -1;
   // Written by the future's callback, which may run after the waiter has woken up.
   std::shared_ptr<std::atomic<int64_t>> doneUs;
 };
