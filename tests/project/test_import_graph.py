@@ -1,4 +1,5 @@
-"""Within c10d_ext, modules depend one way: the graph of which module imports which has no cycle.
+"""Within c10d_ext, modules depend one way: the graph of which module imports which has no cycle;
+and so do the C++ files of include/ and src/ (the graph of their `#include "..."`).
 Every `import` and `from ... import` counts, those inside functions too (a lazy import only hides
 a cycle). An import of a submodule runs its package's __init__ first; that implicit edge is left
 out (every package imports its own modules), the explicit imports of the package are not.
@@ -159,3 +160,44 @@ def test_test_modules_are_found_by_name():
     assert not {f: ds for f, ds in where.items() if len(ds) > 1}, where
     layers = {os.path.relpath(d, ROOT) for d in harness.layer_dirs()}
     assert layers == {d for ds in where.values() for d in ds} - {"tests"}, layers
+
+
+# ---- the C++ files ------------------------------------------------------------------------------
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _cpp_graph(root: str) -> dict[str, set[str]]:
+    """Every C++ file under root's include/ and src/ -> the files of those trees it includes
+    (resolved as the build does: beside the file, then include/, then src/)."""
+    files = set()
+    for top in ("include", "src"):
+        for d, _, names in os.walk(os.path.join(root, top)):
+            files |= {os.path.relpath(os.path.join(d, n), root) for n in names if n.endswith((".hpp", ".h", ".cpp"))}
+
+    def resolve(src: str, inc: str):
+        for base in (os.path.dirname(src), "include", "src"):
+            p = os.path.normpath(os.path.join(base, inc))
+            if p in files:
+                return p
+        return None
+
+    graph = {}
+    for f in files:
+        text = open(os.path.join(root, f), errors="replace").read()
+        graph[f] = {r for i in _INCLUDE.findall(text) if (r := resolve(f, i)) is not None}
+    return graph
+
+
+def test_no_include_cycles():
+    cycles = _cycles(_cpp_graph(ROOT))
+    assert not cycles, "C++ files that include each other (a header's layer is unclear):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_include_scan_finds_a_cycle(tmp_path):
+    (tmp_path / "include" / "myccl").mkdir(parents=True)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "include" / "myccl" / "A.hpp").write_text('#pragma once\n#include "myccl/B.hpp"\n')
+    (tmp_path / "include" / "myccl" / "B.hpp").write_text('#pragma once\n#include "myccl/A.hpp"\n')
+    (tmp_path / "src" / "A.cpp").write_text('#include "myccl/A.hpp"\n')
+    assert _cycles(_cpp_graph(str(tmp_path))) == [["include/myccl/A.hpp", "include/myccl/B.hpp"]]
