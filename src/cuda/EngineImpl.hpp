@@ -16,6 +16,7 @@
 #include <mutex>
 #include <optional>
 
+#include "ErrorText.hpp"
 #include "Launch.hpp"
 #include "myccl/Errors.hpp"
 #include "myccl/cuda/NcclComm.hpp"
@@ -31,12 +32,6 @@ using NcclWorkPtr = c10::intrusive_ptr<NcclWork>;
 // only if one is raised.
 inline Where argWhere(const OpInfo& info) {
   return Where{info.op.c_str(), info.rank};
-}
-
-// An exception's text without c10's backtrace.
-inline std::string errorText(const std::exception& e) {
-  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
-  return e.what();
 }
 
 // Which communicator an op runs on.

@@ -8,6 +8,7 @@
 
 #include <thread>
 
+#include "ErrorText.hpp"
 #include "myccl/Errors.hpp"
 #include "myccl/cuda/NcclComm.hpp"
 #include "myccl/cuda/Watchdog.hpp"
@@ -124,9 +125,8 @@ void NcclWork::rethrowIfFailed() {
 }
 
 void NcclWork::reportDeviceError(const std::exception& e) {
-  auto* ce = dynamic_cast<const c10::Error*>(&e);
   std::string why = info_.describe() + ": device error while checking whether the op finished on " + device_.str() +
-                    ": " + (ce ? ce->what_without_backtrace() : e.what());
+                    ": " + errorText(e);
   if (auto wd = watchdog_.lock()) {
     wd->fail(why, false, this);
   } else {

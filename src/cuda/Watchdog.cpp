@@ -9,6 +9,7 @@
 #include <future>
 #include <sstream>
 
+#include "ErrorText.hpp"
 #include "myccl/Errors.hpp"
 #include "myccl/Log.hpp"
 #include "myccl/Threads.hpp"
@@ -21,11 +22,6 @@ namespace {
 // Short enough that a finished op is seen promptly by isCompleted-less users, long enough to
 // cost nothing measurable (one event query per outstanding op per tick).
 constexpr auto kPollInterval = std::chrono::milliseconds(10);
-
-std::string errorText(const std::exception& e) {
-  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
-  return e.what();
-}
 }  // namespace
 
 std::string timeoutReason(const OpInfo& info, int device) {
