@@ -220,44 +220,42 @@ class SetController:
             pass
 
     # ---- one cycle ---------------------------------------------------------------------------------
-    def step(self, waiter: bool = False, beat: bool = False) -> bool:
+    def step(self, waiter: bool = False, beat: bool = False) -> None:
         """One cycle where there is one to run (free mode), by whoever holds ``driver``: the loop,
         or a caller waiting on an op (`waiter`; which saves two thread switches per op). `beat`: a
-        heartbeat is due, so the cycle runs even with nothing to announce. False once the set
-        failed."""
+        heartbeat is due, so the cycle runs even with nothing to announce."""
         try:
-            return self._step(waiter, beat)
+            self._step(waiter, beat)
         finally:
-            with self.cond:
-                self._reopen()
+            self.reopen()
 
-    def _step(self, waiter: bool, beat: bool = False) -> bool:
+    def _step(self, waiter: bool, beat: bool = False) -> None:
         held = self.held
         batch, more = None, False
         with self.cond:
             if self.failed or self.stopping:
-                return not self.failed
+                return
             if not self._has_work():
                 if not beat or time.monotonic() < self.last_beat + HEARTBEAT_SECONDS:
-                    return True
+                    return
                 batch, more, deferred = [], False, None  # the heartbeat: a cycle announcing nothing
             else:
                 deferred = held.take(False)  # a sealed list filled a fusion buffer: it runs first
                 if deferred is None:
                     if (held.has_open and not waiter and not self._requests()
                             and time.monotonic() < agreed.pending_due(self)):
-                        return True  # nobody waits on the pending list and it is not due: the loop times it
+                        return  # nobody waits on the pending list and it is not due: the loop times it
                     if not held.has_open and not self.queue and not self.progress and not self.others_more:
                         # Requests wait on peers and nothing changed: one cycle time, or new work.
                         self.cond.wait(self.cycle_time)
                         if self.stopping or not self._requests():
-                            return True  # (a pending list that came meanwhile runs when due: the loop)
+                            return  # (a pending list that came meanwhile runs when due: the loop)
                     deferred = held.take(True)  # before anything queued: it came first
                     if deferred is None:
                         batch = self.queue[:SLOTS]
                         del self.queue[:SLOTS]
                         more = bool(self.queue)
-        return self._run_cycle(batch, more, beat, deferred)
+        self._run_cycle(batch, more, beat, deferred)
 
     def cycle_once(self) -> None:
         """Exactly one cycle, whatever is queued (a heartbeat when nothing is): the set's turn in
@@ -273,20 +271,19 @@ class SetController:
                 more = bool(self.queue)
             self._run_cycle(batch, more, not (batch or self.mine or self.join_req), deferred)
         finally:
-            with self.cond:
-                self._reopen()
+            self.reopen()
 
-    def _run_cycle(self, batch, more: bool, beat: bool, deferred) -> bool:
+    def _run_cycle(self, batch, more: bool, beat: bool, deferred) -> None:
+        """A pending list's cycle (`deferred`), or a cycle announcing `batch`; a failure fails the
+        set (every waiter hears of it)."""
         if deferred is not None:
             agreed.flush(self, deferred)
-            return self.failed is None
+            return
         try:
             with self.streams.cycle():
                 self.progress, self.others_more = self._cycle(batch, more, beat=not batch and beat)
-            return True
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.fail_with(e)
-            return False
 
     def drive(self, handle: Handle) -> None:
         """Waits for `handle`, running cycles on this (the caller's) thread while no other cycle

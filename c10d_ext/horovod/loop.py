@@ -49,7 +49,6 @@ class EngineLoop(threading.Thread):
         self.mode = 0  # counts changes of the set list (attach, detach)
         self.stopping = False
         self.asleep = False  # nobody looks at any set until told (SetController.asleep)
-        self.iterations = 0  # lockstep iterations run
         self.last_iteration = -math.inf
         self.active_until = 0.0  # lockstep: iterate at cycle time until then (note_active)
         self.urgent = False  # lockstep: a synchronous op's caller waits, so the next iteration runs at once
@@ -119,8 +118,8 @@ class EngineLoop(threading.Thread):
         return None, wake, sleeping
 
     def _next_lockstep(self, now: float):
-        if any(c._has_work() for c in self.sets if c.failed is None and not c.stopping):
-            self.active_until = max(self.active_until, now + agreed.AWAKE_SECONDS)
+        if self.busy():
+            self.note_active()
         awake = now < self.active_until
         at = self.last_iteration + (self.cycle_time if awake else C.HEARTBEAT_SECONDS)
         if now >= at or self.urgent:
@@ -130,7 +129,6 @@ class EngineLoop(threading.Thread):
     def _iterate(self) -> None:
         """One cycle of each of this rank's sets, in set-id order. A set added or removed during
         the iteration (in the global set's cycle) counts from the next one, on every rank."""
-        self.iterations += 1
         self.last_iteration = time.monotonic()
         self.urgent = False
         for c in list(self.sets):
@@ -175,11 +173,10 @@ def _lockstep(entries) -> bool:
     return sum(1 for e in entries if len(e.ranks) > 1) >= 2
 
 
-def _make(entry, loop) -> C.SetController:
-    c = C.SetController(entry, loop)
-    entry.controller = c
-    C._CONTROLLERS[entry.id] = c
-    return c
+def _adopt(c) -> None:
+    """Makes controller `c` the one its set's ops reach (_forget undoes it)."""
+    c.entry.controller = c
+    C._CONTROLLERS[c.entry.id] = c
 
 
 def start_all(entries) -> None:
@@ -188,7 +185,9 @@ def start_all(entries) -> None:
     loop = EngineLoop(_lockstep(entries))
     for e in sorted(entries, key=lambda e: e.id):
         if e.group is not None:
-            loop.sets.append(_make(e, loop))
+            c = C.SetController(e, loop)
+            _adopt(c)
+            loop.sets.append(c)
     _LOOP[0] = loop
     loop.start()
 
@@ -253,9 +252,8 @@ def _at_agreed_point(apply, what: str) -> None:
     """Runs `apply` between the same two cycles of the global set on every rank (every rank
     calls it: adding and removing a set are collective)."""
     g = C._CONTROLLERS.get(0)
-    if g is None or g.size == 1:
-        with _LOOP[0].cond:
-            apply()
+    if g is None or g.size == 1:  # (no peer: nothing to agree with)
+        apply()
         return
     req = Request(BARRIER, f"process_set.{what}", None)
     h = _Change([req], None)
@@ -276,8 +274,7 @@ def add_set(entry, entries) -> None:
 
     def apply():
         if c is not None:
-            entry.controller = c
-            C._CONTROLLERS[entry.id] = c
+            _adopt(c)
         loop.attach(c, lockstep)
 
     _at_agreed_point(apply, f"add.{entry.id}")
