@@ -92,6 +92,15 @@ size_t sum(const size_t* v, int n) {
   return s;
 }
 
+// Where a scaled sum's factor cannot ride on the sum: `buf` scaled by it now, and the plain sum
+// left to do (the same bits: scaling each input first is what the scaled sum stands for).
+ReduceSpec scaledFirst(void* buf, size_t count, const ReduceSpec& spec) {
+  scaleInPlace(spec.dtype, buf, count, spec.scale);
+  ReduceSpec plain = spec;
+  plain.scale = 0.0;
+  return plain;
+}
+
 }  // namespace
 
 // ---- the flat family -------------------------------------------------------------------------
@@ -189,10 +198,7 @@ bool oneStep(const ShmGroup& g, size_t count, size_t nbytes) {
 void allreduce(CollCtx& c, ShmGroup& g, void* buf, size_t count, const ReduceSpec& spec) {
   if (spec.scale != 0.0 && !sameScale(c, g, count, spec)) {
     // Ranks passed different factors: each scales its own input, and the sum is plain.
-    scaleInPlace(spec.dtype, buf, count, spec.scale);
-    ReduceSpec plain = spec;
-    plain.scale = 0.0;
-    return allreduce(c, g, buf, count, plain);
+    return allreduce(c, g, buf, count, scaledFirst(buf, count, spec));
   }
   const size_t nbytes = count * dtypeSize(spec.dtype);
   if (oneStep(g, count, nbytes)) return allreduceOneStep(c, g, buf, count, spec);
@@ -264,11 +270,8 @@ void allreduce(CollCtx& c, void* buf, size_t count, const ReduceSpec& spec) {
   const Family f = family(c, true);
   if (spec.scale != 0.0 && f != Family::Shm) {
     // Only the shared-memory algorithms sum raw inputs in one pass; the others combine partial
-    // sums, which must not be scaled again. Scaling first gives the same bits.
-    scaleInPlace(spec.dtype, buf, count, spec.scale);
-    ReduceSpec plain = spec;
-    plain.scale = 0.0;
-    return allreduce(c, buf, count, plain);
+    // sums, which must not be scaled again.
+    return allreduce(c, buf, count, scaledFirst(buf, count, spec));
   }
   switch (f) {
     case Family::Single: return;
